@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# plainrlhf launcher.
+#   ./launch.sh setup            create .venv/ and install the stack (idempotent; reused when current)
+#   ./launch.sh demo             setup, then the main job on the embedded task (SFT; later SFT -> PPO)
+#   ./launch.sh test [pytest args]   setup, then the test suite (`-m "not slow"` for a quick run)
+#   ./launch.sh sft [args]       torchrun train_sft.py: one process per GPU, or 2 on a CPU machine
+#
+# Several nodes: set NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT on every node (torchrun's c10d
+# rendezvous). MAX_RESTARTS (default 0) restarts the whole group when a rank dies; a restarted run
+# resumes from its latest checkpoint by itself. NPROC_PER_NODE overrides the process count.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=.venv/bin/python
+
+setup() {
+  local want
+  if command -v nvidia-smi >/dev/null 2>&1; then want="gpu $(sha256sum requirements.txt)"; else want="cpu $(sha256sum requirements-cpu.txt)"; fi
+  if [ -x "$PY" ] && [ "$(cat .venv/.installed 2>/dev/null)" = "$want" ]; then return; fi
+  [ -x "$PY" ] || python3 -m venv .venv
+  if [ "${want%% *}" = gpu ]; then
+    .venv/bin/pip install -r requirements.txt vllm        # CUDA torch comes with vllm
+  else
+    .venv/bin/pip install --no-deps -r requirements-cpu.txt
+  fi
+  # Smoke check: a broken torchvision breaks `import transformers`; vllm must import too.
+  "$PY" -c "import torch, transformers, vllm; from transformers import LlamaConfig; from vllm import LLM; print('setup ok: torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
+  echo "$want" > .venv/.installed
+}
+
+run_torchrun() {
+  local script=$1; shift
+  local nproc=${NPROC_PER_NODE:-}
+  if [ -z "$nproc" ]; then
+    nproc=$("$PY" -c "import torch; print(torch.cuda.device_count() or 2)")
+  fi
+  exec .venv/bin/torchrun --nnodes="${NNODES:-1}" --node_rank="${NODE_RANK:-0}" \
+    --rdzv_backend=c10d --rdzv_endpoint="${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" \
+    --nproc_per_node="$nproc" --max-restarts="${MAX_RESTARTS:-0}" "$script" "$@"
+}
+
+cmd=${1:-}; shift || true
+case "$cmd" in
+  setup) setup ;;
+  test) setup; exec "$PY" -m pytest "$@" ;;
+  demo) setup; run_torchrun train_sft.py --out_dir runs/demo/sft "$@" ;;
+  sft) setup; run_torchrun train_sft.py "$@" ;;
+  *) echo "usage: ./launch.sh setup|demo|test|sft [args]" >&2; exit 2 ;;
+esac

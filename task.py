@@ -1,0 +1,97 @@
+"""The embedded default task and tiny model: two-digit addition, "37+45=" -> "82</s>".
+
+Everything here is generated offline and deterministically, so the demo and the tests need no
+download. The task is verifiable, which gives PPO a rule reward (`reward_fn`, the default
+`--reward_fn task:reward_fn`) and SFT an exact-match accuracy.
+
+    python task.py make-assets   # (re)write assets/tiny-llama/{config,tokenizer}.json (committed)
+
+The tiny model's weights are not committed: `ensure_tiny_model()` initialises them from the committed
+config with a fixed seed the first time the default `--model` is used, and saves an ordinary HF
+folder, so it loads through `from_pretrained` exactly like a user's model.
+"""
+import json
+import os
+import random
+import sys
+
+TINY_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-llama")
+DIGITS = 2          # operands in [0, 10**DIGITS)
+N_HELD_OUT = 1000   # pairs kept out of training, for eval
+SPLIT_SEED = 1234   # fixed: the split must not depend on --seed, or runs would not be comparable
+
+
+def _pairs():
+    pairs = [(a, b) for a in range(10**DIGITS) for b in range(10**DIGITS)]
+    random.Random(SPLIT_SEED).shuffle(pairs)
+    return pairs
+
+
+def make_split(split):
+    """Examples {"prompt": "37+45=", "response": "82"} of split "train" or "test" (held out)."""
+    pairs = _pairs()
+    pairs = pairs[N_HELD_OUT:] if split == "train" else pairs[:N_HELD_OUT]
+    return [{"prompt": f"{a}+{b}=", "response": str(a + b)} for a, b in pairs]
+
+
+def reward_fn(prompt, response):
+    """1.0 when the response is the right sum, else 0.0. `response` is the decoded text, EOS removed."""
+    a, b = prompt.strip().rstrip("=").split("+")
+    return 1.0 if response.strip() == str(int(a) + int(b)) else 0.0
+
+
+# ---- the tiny model's assets ----------------------------------------------------------------------
+# A character-level tokenizer: one token per printable ASCII character, and four specials. PAD is its
+# own token, distinct from EOS (Huang et al. 2023, "N implementation details", general #2): with
+# pad == eos the EOS gets masked out and the model never learns to stop.
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+CHARS = [chr(c) for c in range(32, 127)]
+
+
+def make_assets(path=TINY_MODEL):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every char a token
+    tok.decoder = decoders.Fuse()  # join the characters back without spaces
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                     eos_token="</s>", unk_token="<unk>", padding_side="left")
+    hf_tok.model_max_length = 64
+    hf_tok.save_pretrained(path)
+    cfg_path = os.path.join(path, "tokenizer_config.json")  # a class name transformers 4.x knows too
+    cfg = json.load(open(cfg_path))
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)
+    # head_dim 64: a size every attention backend (vLLM's CPU one included) supports.
+    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                         dtype="float32")
+    config.save_pretrained(path)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(path)
+
+
+def ensure_tiny_model(path=TINY_MODEL, seed=0):
+    """Write the tiny model's initial weights once (fixed seed, so every machine gets the same)."""
+    weights = os.path.join(path, "model.safetensors")
+    if os.path.exists(weights):
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    tmp = f"{weights}.tmp{os.getpid()}"
+    from safetensors.torch import save_model
+    save_model(model, tmp, metadata={"format": "pt"})
+    os.replace(tmp, weights)  # atomic: concurrent callers each write a full file, one wins
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["make-assets"]:
+        sys.exit("usage: python task.py make-assets")
+    make_assets()

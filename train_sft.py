@@ -1,0 +1,318 @@
+"""Supervised fine-tuning: next-token cross-entropy on the response tokens only.
+
+The first stage of RLHF (Ouyang et al. 2022, "Training language models to follow instructions with
+human feedback", step 1): teach the model the task's format before PPO optimises a reward. Actor
+sharded with FSDP2 (one `fully_shard` per decoder layer, then the root), one code path for gloo/CPU
+and NCCL/GPU; full-state checkpoints through checkpoint.py that resume bitwise exactly.
+
+    torchrun --nproc_per_node=2 train_sft.py --out_dir runs/sft           # embedded addition task
+    torchrun --nproc_per_node=2 train_sft.py --resume latest --out_dir runs/sft
+    torchrun --nproc_per_node=8 train_sft.py --model Qwen/Qwen2.5-0.5B --data my.jsonl
+"""
+import ast, argparse, dataclasses, inspect, json, os, random, socket, sys, time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
+
+import checkpoint
+import task
+
+
+@dataclass
+class Args:
+    model: str = task.TINY_MODEL
+    """HF model folder or hub id (default: the embedded tiny Llama, built on first use)"""
+    data: str = ""
+    """training JSONL, one {"prompt": ..., "response": ...} per line (default: the embedded addition task)"""
+    eval_data: str = ""
+    """held-out JSONL in the same format (default: the embedded task's held-out split; none with --data)"""
+    out_dir: str = "runs/sft"
+    """checkpoints/, metrics.jsonl and the final hf/ export go here"""
+    max_steps: int = 600
+    """optimizer steps in the whole run (the LR schedule spans them)"""
+    save_every: int = 200
+    """save a full checkpoint every this many steps (and at the end)"""
+    keep_last: int = 2
+    """keep this many checkpoints; older ones are pruned after a new one is committed"""
+    resume: str = ""
+    """'latest' (newest checkpoint in out_dir that verifies) or a checkpoint path; empty: start fresh"""
+    seed: int = 42
+    """seeds the data order and every RNG"""
+    train_batch_size: int = 64
+    """examples per optimizer step, over all ranks"""
+    micro_batch_size: int = 32
+    """examples per forward/backward on one rank; grad accumulation makes up the rest"""
+    lr: float = 3e-3
+    """peak learning rate (AdamW), after linear warmup, then cosine decay to 0"""
+    warmup_steps: int = 30
+    """linear LR warmup steps"""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm to this"""
+    max_len: int = 0
+    """longest prompt+response in tokens; 0: the model's max_position_embeddings"""
+    eval_every: int = 100
+    """greedy-decode the held-out set every this many steps (0: only at the end)"""
+    eval_samples: int = 256
+    """held-out examples per evaluation"""
+    stop_at_step: int = 0
+    """save and exit after this step, as a preempted run would (for testing resume); 0: never"""
+
+
+# ==== shared boilerplate: copied verbatim in train_sft.py and train_ppo.py (tests/test_style.py) ====
+def parse_args(cls):
+    """argparse from a dataclass; each field's docstring is its --help."""
+    docs, tree = {}, ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+            docs[a.target.id] = b.value.value
+    p = argparse.ArgumentParser(description=sys.modules[cls.__module__].__doc__.split("\n")[0])
+    for f in dataclasses.fields(cls):
+        kind = (lambda s: s.lower() in ("1", "true", "yes")) if f.type is bool else f.type
+        p.add_argument(f"--{f.name}", type=kind, default=f.default, help=f"{docs.get(f.name, '')} (default: {f.default!r})")
+    return cls(**vars(p.parse_args()))
+
+
+def init_distributed():
+    """One process group for all: NCCL on GPUs, gloo on CPUs. Plain `python` gets a 1-rank group."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def print0(*a):
+    if dist.get_rank() == 0:
+        tqdm.write(" ".join(str(x) for x in a))
+
+
+def log(metrics, step, out_dir):
+    """Append one JSON line {"step": ..., "<group>/<name>": ...} to <out_dir>/metrics.jsonl (rank 0)."""
+    if dist.get_rank() == 0:
+        with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+
+def shard_model(model, device):
+    """FSDP2: fully_shard every transformer block (HF names them in _no_split_modules), then the root.
+    bf16 compute with fp32 gradient reduction and fp32 master weights on GPU; plain fp32 on CPU."""
+    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
+    blocks = set(getattr(model, "_no_split_modules", None) or [])
+    for m in model.modules():
+        if type(m).__name__ in blocks:
+            fully_shard(m, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def load_model_and_tokenizer(path, cls):
+    if path == task.TINY_MODEL:
+        if dist.get_rank() == 0:
+            task.ensure_tiny_model(path)
+        dist.barrier()  # the weights file exists before other ranks read it
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = cls.from_pretrained(path, dtype=torch.float32)  # fp32 master weights, always
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: --model {path}: cannot load ({str(e).splitlines()[0]})")
+    if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
+        raise SystemExit(f"error: --model {path}: tokenizer needs a PAD token distinct from EOS")
+    return model, tok
+
+
+def load_jsonl(path, fields):
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise SystemExit(f"error: {path}:{n}: not valid JSON ({e})")
+            for k in fields:
+                if not isinstance(row, dict) or not isinstance(row.get(k), str):
+                    raise SystemExit(f"error: {path}:{n}: expected a string field {k!r}")
+            rows.append(row)
+    if not rows:
+        raise SystemExit(f"error: {path}: no examples")
+    return rows
+
+
+def encode_prompt(tok, prompt):
+    """Token ids of a prompt: the chat template's user turn when the tokenizer has one."""
+    if tok.chat_template:
+        return tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)["input_ids"]
+    return tok(prompt).input_ids
+
+
+def batch_indices(step, n, batch_size, seed):
+    """Global example indices of optimizer step `step`: a pure function of (seed, step), so resuming at
+    any step (or on another world size) lands on exactly the same data; no sampler state to lose."""
+    per_epoch = n // batch_size  # the incomplete last batch of an epoch is dropped
+    epoch, i = divmod(step, per_epoch)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    return perm[i * batch_size:(i + 1) * batch_size].tolist(), epoch
+# ==== end shared boilerplate ====
+
+
+def encode(tok, ex, max_len, where):
+    """(input_ids, n_prompt): the prompt, then the response and EOS, which the loss is taken on."""
+    prompt = encode_prompt(tok, ex["prompt"])
+    response = tok(ex["response"], add_special_tokens=False).input_ids + [tok.eos_token_id]
+    if len(prompt) + len(response) > max_len:
+        raise SystemExit(f"error: {where}: prompt+response is {len(prompt) + len(response)} tokens, "
+                         f"longer than --max_len {max_len}")
+    return prompt + response, len(prompt)
+
+
+def collate(examples, pad_id):
+    """Right-padded input_ids, attention_mask, and labels = -100 except on response tokens. [B, T]"""
+    T = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), T), pad_id)
+    mask = torch.zeros((len(examples), T), dtype=torch.long)
+    labels = torch.full((len(examples), T), -100)
+    for b, (x, n_prompt) in enumerate(examples):
+        ids[b, :len(x)], mask[b, :len(x)] = torch.tensor(x), 1
+        labels[b, n_prompt:len(x)] = torch.tensor(x[n_prompt:])
+    return ids, mask, labels
+
+
+def sft_loss(logits, labels, n_tokens):
+    """Summed next-token cross-entropy over response tokens / n_tokens. logits [B,T,V], labels [B,T]."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), reduction="sum",
+                           ignore_index=-100) / n_tokens
+
+
+@torch.no_grad()
+def evaluate(model, tok, examples, device, batch_size=64):
+    """Exact-match accuracy of greedy decoding. Collective: every rank decodes its share."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = examples[rank::world][:len(examples) // world]  # equal counts: each generate step is collective
+    max_new = max(len(tok(e["response"], add_special_tokens=False).input_ids) for e in examples) + 1
+    model.eval()
+    correct = torch.zeros(1, device=device)
+    for i in range(0, len(mine), batch_size):
+        chunk = mine[i:i + batch_size]
+        enc = tok.pad({"input_ids": [encode_prompt(tok, e["prompt"]) for e in chunk]}, padding_side="left",
+                      return_tensors="pt").to(device)
+        # synced_gpus: ranks finish at different lengths, but every forward of a sharded model is a
+        # collective, so all ranks keep stepping until all are done (else generate hangs).
+        out = model.generate(**enc, max_new_tokens=max_new, do_sample=False, synced_gpus=world > 1,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        correct += sum(t.strip() == e["response"].strip() for t, e in zip(texts, chunk))
+    model.train()
+    dist.all_reduce(correct)  # sum of every rank's correct answers
+    return correct.item() / (len(mine) * world)
+
+
+def main(args):
+    rank, world, device = init_distributed()
+    # Per-rank streams (dropout differs across ranks); a resume restores them exactly.
+    random.seed(args.seed + rank); np.random.seed(args.seed + rank); torch.manual_seed(args.seed + rank)
+    os.makedirs(args.out_dir, exist_ok=True)
+    per_rank, rem = divmod(args.train_batch_size, world)
+    if rem or per_rank % args.micro_batch_size:
+        raise SystemExit(f"error: --train_batch_size {args.train_batch_size} must be divisible by "
+                         f"--micro_batch_size {args.micro_batch_size} x world size {world}")
+    accum = per_rank // args.micro_batch_size
+
+    model, tok = load_model_and_tokenizer(args.model, AutoModelForCausalLM)
+    max_len = args.max_len or model.config.max_position_embeddings
+    train = load_jsonl(args.data, ("prompt", "response")) if args.data else task.make_split("train")
+    held_out = (load_jsonl(args.eval_data, ("prompt", "response")) if args.eval_data
+                else [] if args.data else task.make_split("test"))[:args.eval_samples]
+    src = args.data or "embedded task"
+    train = [encode(tok, ex, max_len, f"{src}:{i + 1}") for i, ex in enumerate(train)]
+    if len(train) < args.train_batch_size:
+        raise SystemExit(f"error: {src}: {len(train)} examples, fewer than --train_batch_size {args.train_batch_size}")
+    shard_model(model, device)
+    optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    sched = get_cosine_schedule_with_warmup(optim, args.warmup_steps, args.max_steps)
+
+    start = 0
+    path = checkpoint.resolve(args.out_dir, args.resume)
+    if path:
+        meta = checkpoint.load(path, {"model": (model, optim)}, vars(args),
+                               must_match=["model", "data", "seed", "train_batch_size", "micro_batch_size"])
+        sched.load_state_dict(meta["scheduler"])
+        start = meta["step"]
+        if rank == 0:  # drop metrics the killed run logged after its last checkpoint
+            mpath = os.path.join(args.out_dir, "metrics.jsonl")
+            rows = [r for r in open(mpath)] if os.path.exists(mpath) else []
+            with open(mpath, "w") as f:
+                f.writelines(r for r in rows if json.loads(r)["step"] <= start)
+        checkpoint.load_rng(path, meta)  # last: nothing may draw from the RNG between here and step 1
+        print0(f"resumed from {path} at step {start}")
+
+    step = start
+    pbar = tqdm(total=args.max_steps, initial=start, disable=rank != 0, desc="sft")
+    for step in range(start + 1, args.max_steps + 1):
+        t0 = time.time()
+        idx, epoch = batch_indices(step - 1, len(train), args.train_batch_size, args.seed)
+        n_tokens = sum(len(train[i][0]) - train[i][1] for i in idx)  # response tokens, all ranks: no collective
+        mine = idx[rank * per_rank:(rank + 1) * per_rank]
+        loss_sum = torch.zeros(1, device=device)
+        for m in range(accum):
+            ids, mask, labels = (t.to(device) for t in collate(
+                [train[i] for i in mine[m * args.micro_batch_size:(m + 1) * args.micro_batch_size]], tok.pad_token_id))
+            loss = sft_loss(model(input_ids=ids, attention_mask=mask).logits, labels, n_tokens)
+            # FSDP averages gradients over ranks; the loss is normalised by the global token count,
+            # so scale by world size to get the gradient of the global mean.
+            (loss * world).backward()
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optim.step()
+        sched.step()
+        optim.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_sum)  # for logging only: the global mean loss over response tokens
+        metrics = {"train/loss": loss_sum.item(), "train/lr": sched.get_last_lr()[0], "train/epoch": epoch,
+                   "train/grad_norm": grad_norm.full_tensor().item() if hasattr(grad_norm, "full_tensor") else grad_norm.item(),
+                   "time/step_s": time.time() - t0}
+        if held_out and (step == args.max_steps or (args.eval_every and step % args.eval_every == 0)):
+            metrics["eval/accuracy"] = evaluate(model, tok, held_out, device)
+            print0(f"step {step}: held-out accuracy {metrics['eval/accuracy']:.3f}")
+        log(metrics, step, args.out_dir)
+        pbar.update(1)
+        pbar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+        if step % args.save_every == 0 or step in (args.max_steps, args.stop_at_step):
+            checkpoint.save(args.out_dir, step, {"model": (model, optim)},
+                            {"scheduler": sched.state_dict(), "epoch": epoch, "consumed_samples":
+                             step * args.train_batch_size, "args": vars(args)},
+                            model.config, tok, model.generation_config, args.keep_last)
+        if step == args.stop_at_step:
+            print0(f"stopping after step {step} (--stop_at_step)")
+            break
+    pbar.close()
+
+    if step == args.max_steps:
+        # Every rank takes part in gathering the full weights; rank 0 writes the HF folder.
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            checkpoint.export_hf(sd, model.config, tok, os.path.join(args.out_dir, "hf"), model.generation_config)
+            print0(f"exported {os.path.join(args.out_dir, 'hf')}")
+    dist.barrier()  # nobody tears the group down while rank 0 is still writing
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(parse_args(Args))
