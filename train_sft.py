@@ -237,6 +237,7 @@ def main(args):
     accum = per_rank // args.micro_batch_size
 
     model, tok = load_model_and_tokenizer(args.model, AutoModelForCausalLM)
+    model.train()  # from_pretrained returns eval mode: dropout would be silently off until the first eval
     max_len = args.max_len or model.config.max_position_embeddings
     train = load_jsonl(args.data, ("prompt", "response")) if args.data else task.make_split("train")
     held_out = (load_jsonl(args.eval_data, ("prompt", "response")) if args.eval_data

@@ -1,0 +1,103 @@
+"""Helpers for the tests: run the real scripts under the real torchrun, read checkpoints back."""
+import json, os, shutil, subprocess, sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+import checkpoint  # noqa: E402
+import task  # noqa: E402
+
+PY = sys.executable
+TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
+
+
+def run(script, *args, nproc=2, check=True, timeout=600, env=None):
+    """`torchrun --standalone --nproc_per_node=nproc script args`; returns the CompletedProcess."""
+    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", os.path.join(REPO, script), *map(str, args)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                       env={**os.environ, **(env or {})})
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
+    return p
+
+
+def run_py(*args, check=False, timeout=300):
+    """Plain `python args...` in the repo (one process; the scripts make their own 1-rank group)."""
+    return subprocess.run([PY, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def kill_tree(pid, sig=9):
+    """SIGKILL torchrun and its workers (they sit in sessions of their own, so killpg misses them)."""
+    import psutil
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+
+
+def read_tensors(ckpt):
+    """Every tensor of a checkpoint's DCP state (model and optimizer), by flat key."""
+    path = os.path.join(ckpt, "dcp")
+    md = checkpoint._SafeReader(path).read_metadata()
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype)
+             for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    dcp.load(state, storage_reader=checkpoint._SafeReader(path), planner=checkpoint._SafePlanner(), no_dist=True)
+    return state
+
+
+def assert_same_tensors(a, b):
+    ta, tb = read_tensors(a), read_tensors(b)
+    assert ta.keys() == tb.keys()
+    assert any(".optim.state." in k for k in ta), "optimizer state missing from the checkpoint"
+    bad = [k for k in ta if not torch.equal(ta[k], tb[k])]
+    assert not bad, f"{len(bad)} tensors differ, e.g. {bad[:3]}"
+
+
+def metrics(out_dir, drop=("time/",)):
+    rows = [json.loads(l) for l in open(os.path.join(out_dir, "metrics.jsonl"))]
+    return [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows]
+
+
+def latest(out_dir):
+    root = os.path.join(out_dir, "checkpoints")
+    return os.path.join(root, open(os.path.join(root, "latest")).read().strip())
+
+
+def rewrite_manifest(ckpt):
+    """What an attacker (or a test) does after editing files: make the checksums match again."""
+    m = json.load(open(os.path.join(ckpt, "manifest.json")))
+    m["files"] = {rel: {"size": os.path.getsize(os.path.join(ckpt, rel)), "sha256": checkpoint._sha256(os.path.join(ckpt, rel))}
+                  for rel in checkpoint._files(ckpt) if rel != "manifest.json"}
+    json.dump(m, open(os.path.join(ckpt, "manifest.json"), "w"))
+
+
+@pytest.fixture(scope="session")
+def addition_jsonl(tmp_path_factory):
+    """A small training file: 64 addition examples, so an epoch is 4 steps of 16."""
+    p = tmp_path_factory.mktemp("data") / "train.jsonl"
+    with open(p, "w") as f:
+        for ex in task.make_split("train")[:64]:
+            f.write(json.dumps(ex) + "\n")
+    return str(p)
+
+
+@pytest.fixture(scope="session")
+def dropout_model(tmp_path_factory):
+    """The tiny model with attention dropout on: resume must restore every rank's RNG to match."""
+    d = tmp_path_factory.mktemp("dropout-model")
+    for f in os.listdir(task.TINY_MODEL):
+        if f != "model.safetensors":
+            shutil.copy(os.path.join(task.TINY_MODEL, f), d)
+    cfg = json.load(open(d / "config.json"))
+    cfg["attention_dropout"] = 0.1
+    json.dump(cfg, open(d / "config.json", "w"))
+    task.ensure_tiny_model(str(d))
+    return str(d)

@@ -1,0 +1,161 @@
+"""Exact resume of train_sft.py under torchrun with 2 ranks, and the checkpoint's safety guarantees."""
+import io, json, os, pickle, subprocess, time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import (REPO, TORCHRUN, assert_same_tensors, kill_tree, latest, metrics, rewrite_manifest, run,
+                      run_py)
+
+N = 10  # steps; the 64-example file makes 4 steps per epoch
+
+
+def sft(out, data, *extra, model=None):
+    return ("--data", data, "--eval_data", data, "--eval_samples", 16, "--train_batch_size", 16,
+            "--micro_batch_size", 4, "--max_steps", N, "--eval_every", 5, "--save_every", 100,
+            "--warmup_steps", 2, "--out_dir", out, *(("--model", model) if model else ()), *extra)
+
+
+@pytest.fixture(scope="module")
+def straight_dropout(tmp_path_factory, addition_jsonl, dropout_model):
+    out = str(tmp_path_factory.mktemp("straight-dropout"))
+    run("train_sft.py", *sft(out, addition_jsonl, model=dropout_model))
+    return out
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, addition_jsonl):
+    out = str(tmp_path_factory.mktemp("straight"))
+    run("train_sft.py", *sft(out, addition_jsonl))
+    return out
+
+
+@pytest.mark.parametrize("k", [4, 6], ids=["epoch-boundary", "mid-epoch"])
+def test_resume_is_bitwise_exact(k, tmp_path, straight_dropout, addition_jsonl, dropout_model):
+    out = str(tmp_path)
+    run("train_sft.py", *sft(out, addition_jsonl, "--stop_at_step", k, model=dropout_model))
+    assert latest(out).endswith(f"step-{k:08d}") and not os.path.exists(os.path.join(out, "hf"))
+    p = run("train_sft.py", *sft(out, addition_jsonl, "--resume", "latest", model=dropout_model))
+    assert f"at step {k}" in p.stdout + p.stderr
+    assert_same_tensors(latest(straight_dropout), latest(out))
+    assert metrics(straight_dropout) == metrics(out)  # every step's loss, lr, grad norm, accuracy
+    a, b = (json.load(open(os.path.join(latest(d), "meta.json"))) for d in (straight_dropout, out))
+    assert a["scheduler"] == b["scheduler"] and a["consumed_samples"] == b["consumed_samples"] == N * 16
+    ea, eb = (load_file(os.path.join(d, "hf", "model.safetensors")) for d in (straight_dropout, out))
+    assert ea.keys() == eb.keys() and all(torch.equal(ea[n], eb[n]) for n in ea)
+
+
+def test_dropout_makes_rng_matter(straight_dropout, straight):
+    """The dropout run differs from the dropout-free one, so the exact match above needed the RNG."""
+    assert metrics(straight_dropout)[1]["train/loss"] != metrics(straight)[1]["train/loss"]
+
+
+def test_resume_on_one_rank_continues_from_the_right_sample(tmp_path, straight, addition_jsonl):
+    out = str(tmp_path)
+    k = 6
+    run("train_sft.py", *sft(out, addition_jsonl, "--stop_at_step", k))
+    p = run("train_sft.py", *sft(out, addition_jsonl, "--resume", "latest"), nproc=1)
+    assert "RNG streams cannot" in p.stdout + p.stderr
+    want, got = metrics(straight), metrics(out)
+    assert [r["step"] for r in got] == list(range(1, N + 1))
+    # Same weights (resharded by DCP) and the same batch: step k+1's loss matches up to summation order.
+    # A wrong data position would give another batch, whose loss differs by far more.
+    assert abs(got[k]["train/loss"] - want[k]["train/loss"]) < 1e-5
+    assert min(abs(want[k]["train/loss"] - r["train/loss"]) for r in want if r["step"] != k + 1) > 1e-3
+    for r, w in zip(got[k:], want[k:]):
+        assert abs(r["train/loss"] - w["train/loss"]) < 1e-3
+
+
+def test_sigkill_during_save_leaves_a_verified_latest(tmp_path, straight, addition_jsonl):
+    out = str(tmp_path)
+    root = os.path.join(out, "checkpoints")
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", os.path.join(REPO, "train_sft.py"),
+           *map(str, sft(out, addition_jsonl, "--save_every", 1, "--keep_last", 2))]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    killed_in_save = False
+    while proc.poll() is None:  # kill the whole group the moment a save is under way
+        names = os.listdir(root) if os.path.isdir(root) else []
+        if "latest" in names and any(n.startswith(".tmp-") for n in names):
+            kill_tree(proc.pid)
+            killed_in_save = True
+            break
+        time.sleep(0.002)
+    proc.wait()
+    assert killed_in_save, "the run finished before a save could be interrupted"
+    p = run_py("checkpoint.py", "verify", latest(out))
+    assert p.returncode == 0, p.stderr
+    run("train_sft.py", *sft(out, addition_jsonl, "--resume", "latest", "--save_every", 1))
+    assert not [n for n in os.listdir(root) if n.startswith(".tmp-")]
+    assert_same_tensors(latest(straight), latest(out))
+
+
+def test_corrupt_checkpoint_is_detected(tmp_path, addition_jsonl):
+    out = str(tmp_path)
+    args = sft(out, addition_jsonl, "--save_every", 3, "--max_steps", 6, "--keep_last", 3)
+    run("train_sft.py", *args)
+    newest = latest(out)
+    assert newest.endswith("step-00000006")
+    victim = os.path.join(newest, "dcp", "__0_0.distcp")
+    data = bytearray(open(victim, "rb").read())
+    data[len(data) // 2] ^= 0x01  # one flipped bit
+    open(victim, "wb").write(data)
+
+    p = run_py("checkpoint.py", "verify", newest)
+    assert p.returncode != 0 and "__0_0.distcp" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    p = run("train_sft.py", *args, "--resume", newest, check=False)
+    assert p.returncode != 0 and "__0_0.distcp: checksum mismatch" in p.stderr
+    p = run("train_sft.py", *args, "--resume", "latest")
+    assert "WARNING: skipping checkpoint step-00000006" in p.stdout + p.stderr
+    assert "resumed from" in p.stdout + p.stderr and "step-00000003 at step 3" in p.stdout + p.stderr
+
+    # Truncation of a small file of the (re-saved) newest checkpoint is caught as well.
+    rng = os.path.join(latest(out), "rng-rank1.json")
+    open(rng, "r+").truncate(100)
+    p = run("train_sft.py", *args, "--resume", latest(out), check=False)
+    assert p.returncode != 0 and "rng-rank1.json: size 100" in p.stderr
+    p = run_py("checkpoint.py", "ls", out)
+    assert "step-00000006" in p.stdout and "BAD" in p.stdout and "step-00000003  step 3  ok" in p.stdout
+
+
+class Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_pickle_payloads_are_refused(tmp_path, addition_jsonl):
+    out = str(tmp_path / "run")
+    args = sft(out, addition_jsonl, "--max_steps", 1, "--train_batch_size", 4, "--micro_batch_size", 4)
+    run("train_sft.py", *args, nproc=1)
+    ckpt = latest(out)
+    meta_path = os.path.join(ckpt, "dcp", ".metadata")
+    original = open(meta_path, "rb").read()
+    marker = tmp_path / "pwned"
+
+    # 1. The .metadata file itself is a pickle.
+    open(meta_path, "wb").write(pickle.dumps(Payload(marker)))
+    rewrite_manifest(ckpt)  # an attacker can rewrite checksums too
+    p = run_py("checkpoint.py", "export", ckpt, tmp_path / "export")
+    assert p.returncode != 0 and "refusing to unpickle" in p.stderr
+    p = run("train_sft.py", *args, "--resume", ckpt, nproc=1, check=False)
+    assert p.returncode != 0 and "refusing to unpickle" in p.stderr
+    assert not marker.exists()
+
+    # 2. A non-tensor entry (an optimizer param_group value) is a torch.save pickle inside a .distcp.
+    md = pickle.loads(original)  # our own, trusted file
+    key = next(k for k in md.storage_data if k.fqn.endswith("param_groups.0.lr"))
+    info = md.storage_data[key]
+    shard = os.path.join(ckpt, "dcp", info.relative_path)
+    buf = io.BytesIO()
+    torch.save(Payload(marker), buf)
+    offset = os.path.getsize(shard)
+    open(shard, "ab").write(buf.getvalue())
+    md.storage_data[key] = type(info)(info.relative_path, offset, len(buf.getvalue()))
+    open(meta_path, "wb").write(pickle.dumps(md))
+    rewrite_manifest(ckpt)
+    p = run("train_sft.py", *args, "--resume", ckpt, nproc=1, check=False)
+    assert p.returncode != 0 and "Weights only load failed" in p.stderr
+    assert not marker.exists()
