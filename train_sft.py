@@ -1,22 +1,18 @@
 """Supervised fine-tuning: next-token cross-entropy on the response tokens only.
 
-The first stage of RLHF (Ouyang et al. 2022, "Training language models to follow instructions with
-human feedback", step 1): teach the model the task's format before PPO optimises a reward. Actor
-sharded with FSDP2 (one `fully_shard` per decoder layer, then the root), one code path for gloo/CPU
-and NCCL/GPU; full-state checkpoints through checkpoint.py that resume bitwise exactly.
+Stage 1 of RLHF (Ouyang et al. 2022, "Training language models to follow instructions with human
+feedback"): teach the task's format before PPO optimises a reward. FSDP2 (`fully_shard` per decoder
+layer, then the root) on one code path for gloo/CPU and NCCL/GPU; checkpoints resume bitwise exactly.
 
-    torchrun --nproc_per_node=2 train_sft.py --out_dir runs/sft           # embedded addition task
-    torchrun --nproc_per_node=2 train_sft.py --resume latest --out_dir runs/sft
+    torchrun --nproc_per_node=2 train_sft.py --out_dir runs/sft [--resume latest]   # embedded task
     torchrun --nproc_per_node=8 train_sft.py --model Qwen/Qwen2.5-0.5B --data my.jsonl
 """
-import ast, argparse, dataclasses, inspect, json, os, random, socket, sys, time
-from dataclasses import dataclass
+import argparse, ast, dataclasses, inspect, json, os, random, sys, time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
@@ -25,7 +21,7 @@ import checkpoint
 import task
 
 
-@dataclass
+@dataclasses.dataclass
 class Args:
     model: str = task.TINY_MODEL
     """HF model folder or hub id (default: the embedded tiny Llama, built on first use)"""
@@ -53,12 +49,8 @@ class Args:
     """peak learning rate (AdamW), after linear warmup, then cosine decay to 0"""
     warmup_steps: int = 30
     """linear LR warmup steps"""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this"""
-    max_len: int = 0
-    """longest prompt+response in tokens; 0: the model's max_position_embeddings"""
     eval_every: int = 100
     """greedy-decode the held-out set every this many steps (0: only at the end)"""
     eval_samples: int = 256
@@ -70,33 +62,33 @@ class Args:
 # ==== shared boilerplate: copied verbatim in train_sft.py and train_ppo.py (tests/test_style.py) ====
 def parse_args(cls):
     """argparse from a dataclass; each field's docstring is its --help."""
-    docs, tree = {}, ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    for a, b in zip(body, body[1:]):
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-            docs[a.target.id] = b.value.value
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    docs = {a.target.id: b.value.value for a, b in zip(body, body[1:]) if isinstance(a, ast.AnnAssign)
+            and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
     p = argparse.ArgumentParser(description=sys.modules[cls.__module__].__doc__.split("\n")[0])
     for f in dataclasses.fields(cls):
         kind = (lambda s: s.lower() in ("1", "true", "yes")) if f.type is bool else f.type
-        p.add_argument(f"--{f.name}", type=kind, default=f.default, help=f"{docs.get(f.name, '')} (default: {f.default!r})")
-    return cls(**vars(p.parse_args()))
+        p.add_argument(f"--{f.name}", type=kind, default=f.default, help=f"{docs[f.name]} (default: {f.default!r})")
+    args = cls(**vars(p.parse_args()))
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and not args.resume:
+        args.resume = "latest"  # torchrun --max-restarts restarted the group: carry on where it stopped
+    return args
 
 
-def init_distributed():
-    """One process group for all: NCCL on GPUs, gloo on CPUs. Plain `python` gets a 1-rank group."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def init_distributed(seed):
+    """One process group for all: NCCL on GPUs, gloo on CPUs; plain `python` gets a 1-rank group.
+    Seeds every RNG per rank (dropout masks must differ across ranks); a resume restores them."""
+    single = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, **single)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size(), device
+        dist.init_process_group("gloo", **single)
+    rank = dist.get_rank()
+    random.seed(seed + rank), np.random.seed(seed + rank), torch.manual_seed(seed + rank)
+    return rank, dist.get_world_size(), device
 
 
 def print0(*a):
@@ -105,10 +97,19 @@ def print0(*a):
 
 
 def log(metrics, step, out_dir):
-    """Append one JSON line {"step": ..., "<group>/<name>": ...} to <out_dir>/metrics.jsonl (rank 0)."""
+    """Append {"step": ..., "<group>/<name>": ...} to <out_dir>/metrics.jsonl (rank 0)."""
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+
+def truncate_log(out_dir, step):
+    """A resumed run redoes the steps its predecessor logged after the checkpoint: drop those lines."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if dist.get_rank() == 0 and os.path.exists(path):
+        rows = [r for r in open(path) if json.loads(r)["step"] <= step]
+        with open(path, "w") as f:
+            f.writelines(rows)
 
 
 def shard_model(model, device):
@@ -125,9 +126,7 @@ def shard_model(model, device):
 
 def load_model_and_tokenizer(path, cls):
     if path == task.TINY_MODEL:
-        if dist.get_rank() == 0:
-            task.ensure_tiny_model(path)
-        dist.barrier()  # the weights file exists before other ranks read it
+        task.ensure_tiny_model(path)  # every rank: atomic and deterministic, so no barrier needed
     try:
         tok = AutoTokenizer.from_pretrained(path)
         model = cls.from_pretrained(path, dtype=torch.float32)  # fp32 master weights, always
@@ -139,19 +138,18 @@ def load_model_and_tokenizer(path, cls):
 
 
 def load_jsonl(path, fields):
+    """The rows of a JSONL file, each an object with string `fields`; errors name file and line."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: {path}: no such file")
     rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise SystemExit(f"error: {path}:{n}: not valid JSON ({e})")
-            for k in fields:
-                if not isinstance(row, dict) or not isinstance(row.get(k), str):
-                    raise SystemExit(f"error: {path}:{n}: expected a string field {k!r}")
-            rows.append(row)
+    for n, line in enumerate(open(path), 1):
+        try:
+            rows += [json.loads(line)] if line.strip() else []
+        except ValueError as e:
+            raise SystemExit(f"error: {path}:{n}: not valid JSON ({e})")
+        for k in fields if line.strip() else []:
+            if not isinstance(rows[-1], dict) or not isinstance(rows[-1].get(k), str):
+                raise SystemExit(f"error: {path}:{n}: expected a string field {k!r}")
     if not rows:
         raise SystemExit(f"error: {path}: no examples")
     return rows
@@ -179,20 +177,17 @@ def encode(tok, ex, max_len, where):
     prompt = encode_prompt(tok, ex["prompt"])
     response = tok(ex["response"], add_special_tokens=False).input_ids + [tok.eos_token_id]
     if len(prompt) + len(response) > max_len:
-        raise SystemExit(f"error: {where}: prompt+response is {len(prompt) + len(response)} tokens, "
-                         f"longer than --max_len {max_len}")
+        raise SystemExit(f"error: {where}: prompt+response is {len(prompt) + len(response)} tokens, longer "
+                         f"than the model's context (max_position_embeddings {max_len})")
     return prompt + response, len(prompt)
 
 
 def collate(examples, pad_id):
     """Right-padded input_ids, attention_mask, and labels = -100 except on response tokens. [B, T]"""
-    T = max(len(ids) for ids, _ in examples)
-    ids = torch.full((len(examples), T), pad_id)
-    mask = torch.zeros((len(examples), T), dtype=torch.long)
-    labels = torch.full((len(examples), T), -100)
-    for b, (x, n_prompt) in enumerate(examples):
-        ids[b, :len(x)], mask[b, :len(x)] = torch.tensor(x), 1
-        labels[b, n_prompt:len(x)] = torch.tensor(x[n_prompt:])
+    T = max(len(x) for x, _ in examples)
+    ids = torch.tensor([x + [pad_id] * (T - len(x)) for x, _ in examples])
+    mask = torch.tensor([[1] * len(x) + [0] * (T - len(x)) for x, _ in examples])
+    labels = torch.tensor([[-100] * n + x[n:] + [-100] * (T - len(x)) for x, n in examples])
     return ids, mask, labels
 
 
@@ -214,8 +209,7 @@ def evaluate(model, tok, examples, device, batch_size=64):
         chunk = mine[i:i + batch_size]
         enc = tok.pad({"input_ids": [encode_prompt(tok, e["prompt"]) for e in chunk]}, padding_side="left",
                       return_tensors="pt").to(device)
-        # synced_gpus: ranks finish at different lengths, but every forward of a sharded model is a
-        # collective, so all ranks keep stepping until all are done (else generate hangs).
+        # synced_gpus: every forward of a sharded model is a collective; ranks step until all are done
         out = model.generate(**enc, max_new_tokens=max_new, do_sample=False, synced_gpus=world > 1,
                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
         texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
@@ -226,54 +220,43 @@ def evaluate(model, tok, examples, device, batch_size=64):
 
 
 def main(args):
-    rank, world, device = init_distributed()
-    # Per-rank streams (dropout differs across ranks); a resume restores them exactly.
-    random.seed(args.seed + rank); np.random.seed(args.seed + rank); torch.manual_seed(args.seed + rank)
+    rank, world, device = init_distributed(args.seed)
     os.makedirs(args.out_dir, exist_ok=True)
     per_rank, rem = divmod(args.train_batch_size, world)
     if rem or per_rank % args.micro_batch_size:
         raise SystemExit(f"error: --train_batch_size {args.train_batch_size} must be divisible by "
                          f"--micro_batch_size {args.micro_batch_size} x world size {world}")
-    accum = per_rank // args.micro_batch_size
 
     model, tok = load_model_and_tokenizer(args.model, AutoModelForCausalLM)
     model.train()  # from_pretrained returns eval mode: dropout would be silently off until the first eval
-    max_len = args.max_len or model.config.max_position_embeddings
     train = load_jsonl(args.data, ("prompt", "response")) if args.data else task.make_split("train")
     held_out = (load_jsonl(args.eval_data, ("prompt", "response")) if args.eval_data
                 else [] if args.data else task.make_split("test"))[:args.eval_samples]
-    src = args.data or "embedded task"
+    src, max_len = args.data or "embedded task", model.config.max_position_embeddings
     train = [encode(tok, ex, max_len, f"{src}:{i + 1}") for i, ex in enumerate(train)]
     if len(train) < args.train_batch_size:
         raise SystemExit(f"error: {src}: {len(train)} examples, fewer than --train_batch_size {args.train_batch_size}")
     shard_model(model, device)
-    optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = get_cosine_schedule_with_warmup(optim, args.warmup_steps, args.max_steps)
 
     start = 0
     path = checkpoint.resolve(args.out_dir, args.resume)
-    if path:
+    if path:  # RNG restored last: nothing may draw from it between here and step 1
         meta = checkpoint.load(path, {"model": (model, optim)}, vars(args),
                                must_match=["model", "data", "seed", "train_batch_size", "micro_batch_size"])
         sched.load_state_dict(meta["scheduler"])
-        start = meta["step"]
-        if rank == 0:  # drop metrics the killed run logged after its last checkpoint
-            mpath = os.path.join(args.out_dir, "metrics.jsonl")
-            rows = [r for r in open(mpath)] if os.path.exists(mpath) else []
-            with open(mpath, "w") as f:
-                f.writelines(r for r in rows if json.loads(r)["step"] <= start)
-        checkpoint.load_rng(path, meta)  # last: nothing may draw from the RNG between here and step 1
+        truncate_log(args.out_dir, start := meta["step"])
         print0(f"resumed from {path} at step {start}")
 
-    step = start
-    pbar = tqdm(total=args.max_steps, initial=start, disable=rank != 0, desc="sft")
+    step, pbar = start, tqdm(total=args.max_steps, initial=start, disable=rank != 0, desc="sft")
     for step in range(start + 1, args.max_steps + 1):
         t0 = time.time()
         idx, epoch = batch_indices(step - 1, len(train), args.train_batch_size, args.seed)
         n_tokens = sum(len(train[i][0]) - train[i][1] for i in idx)  # response tokens, all ranks: no collective
         mine = idx[rank * per_rank:(rank + 1) * per_rank]
         loss_sum = torch.zeros(1, device=device)
-        for m in range(accum):
+        for m in range(per_rank // args.micro_batch_size):  # gradient accumulation
             ids, mask, labels = (t.to(device) for t in collate(
                 [train[i] for i in mine[m * args.micro_batch_size:(m + 1) * args.micro_batch_size]], tok.pad_token_id))
             loss = sft_loss(model(input_ids=ids, attention_mask=mask).logits, labels, n_tokens)
@@ -281,14 +264,13 @@ def main(args):
             # so scale by world size to get the gradient of the global mean.
             (loss * world).backward()
             loss_sum += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).full_tensor()  # DTensor
         optim.step()
         sched.step()
         optim.zero_grad(set_to_none=True)
         dist.all_reduce(loss_sum)  # for logging only: the global mean loss over response tokens
         metrics = {"train/loss": loss_sum.item(), "train/lr": sched.get_last_lr()[0], "train/epoch": epoch,
-                   "train/grad_norm": grad_norm.full_tensor().item() if hasattr(grad_norm, "full_tensor") else grad_norm.item(),
-                   "time/step_s": time.time() - t0}
+                   "train/grad_norm": grad_norm.item(), "time/step_s": time.time() - t0}
         if held_out and (step == args.max_steps or (args.eval_every and step % args.eval_every == 0)):
             metrics["eval/accuracy"] = evaluate(model, tok, held_out, device)
             print0(f"step {step}: held-out accuracy {metrics['eval/accuracy']:.3f}")
@@ -296,24 +278,23 @@ def main(args):
         pbar.update(1)
         pbar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
         if step % args.save_every == 0 or step in (args.max_steps, args.stop_at_step):
-            checkpoint.save(args.out_dir, step, {"model": (model, optim)},
-                            {"scheduler": sched.state_dict(), "epoch": epoch, "consumed_samples":
-                             step * args.train_batch_size, "args": vars(args)},
+            meta = {"scheduler": sched.state_dict(), "epoch": epoch, "consumed_samples": step * args.train_batch_size}
+            checkpoint.save(args.out_dir, step, {"model": (model, optim)}, {**meta, "args": vars(args)},
                             model.config, tok, model.generation_config, args.keep_last)
         if step == args.stop_at_step:
             print0(f"stopping after step {step} (--stop_at_step)")
             break
     pbar.close()
 
-    if step == args.max_steps:
-        # Every rank takes part in gathering the full weights; rank 0 writes the HF folder.
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            checkpoint.export_hf(sd, model.config, tok, os.path.join(args.out_dir, "hf"), model.generation_config)
-            print0(f"exported {os.path.join(args.out_dir, 'hf')}")
+    if step == args.max_steps and rank == 0:  # the final checkpoint, as an HF folder for PPO and vLLM
+        checkpoint.export(os.path.join(args.out_dir, "checkpoints", f"step-{step:08d}"), os.path.join(args.out_dir, "hf"))
+        print0(f"exported {os.path.join(args.out_dir, 'hf')}")
     dist.barrier()  # nobody tears the group down while rank 0 is still writing
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(parse_args(Args))
+    try:
+        main(parse_args(Args))
+    except checkpoint.CheckpointError as e:
+        raise SystemExit(f"error: {e}")

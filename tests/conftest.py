@@ -74,8 +74,7 @@ def latest(out_dir):
 def rewrite_manifest(ckpt):
     """What an attacker (or a test) does after editing files: make the checksums match again."""
     m = json.load(open(os.path.join(ckpt, "manifest.json")))
-    m["files"] = {rel: {"size": os.path.getsize(os.path.join(ckpt, rel)), "sha256": checkpoint._sha256(os.path.join(ckpt, rel))}
-                  for rel in checkpoint._files(ckpt) if rel != "manifest.json"}
+    m["files"] = checkpoint._manifest_files(ckpt)
     json.dump(m, open(os.path.join(ckpt, "manifest.json"), "w"))
 
 

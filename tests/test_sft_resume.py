@@ -8,6 +8,8 @@ from safetensors.torch import load_file
 from conftest import (REPO, TORCHRUN, assert_same_tensors, kill_tree, latest, metrics, rewrite_manifest, run,
                       run_py)
 
+pytestmark = pytest.mark.slow
+
 N = 10  # steps; the 64-example file makes 4 steps per epoch
 
 

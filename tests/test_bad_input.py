@@ -1,0 +1,41 @@
+"""Bad input gets one clear line naming the flag or file, not a traceback."""
+import json
+
+import pytest
+
+from conftest import run_py
+
+
+def assert_one_line_error(p, *needles):
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and all(n in last for n in needles), p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("extra,needles", [
+    (["--train_batch_size", "10", "--micro_batch_size", "4"], ["--train_batch_size 10", "--micro_batch_size 4"]),
+    (["--model", "/nonexistent/model"], ["--model /nonexistent/model"]),
+    (["--resume", "/tmp"], ["/tmp/manifest.json: missing"]),
+    (["--data", "/nonexistent.jsonl"], ["/nonexistent.jsonl: no such file"]),
+])
+def test_bad_flags(tmp_path, extra, needles):
+    assert_one_line_error(run_py("train_sft.py", "--out_dir", tmp_path, "--max_steps", 1, *extra), *needles)
+
+
+def test_overlong_example(tmp_path):
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1=", "response": "2"}) + "\n" +
+                    json.dumps({"prompt": "9" * 80, "response": "2"}) + "\n")
+    p = run_py("train_sft.py", "--out_dir", tmp_path, "--data", data, "--max_steps", 1)
+    assert_one_line_error(p, "long.jsonl:2", "longer than the model's context")
+
+
+def test_resume_with_changed_settings(tmp_path):
+    args = ("--out_dir", tmp_path, "--max_steps", 1, "--train_batch_size", 8, "--micro_batch_size", 8,
+            "--eval_samples", 8)
+    assert run_py("train_sft.py", *args).returncode == 0
+    p = run_py("train_sft.py", *args[:-6], "--train_batch_size", 16, "--micro_batch_size", 4, "--eval_samples", 8,
+               "--resume", "latest", "--seed", 7)
+    assert_one_line_error(p, "differing settings", "--seed 42 -> 7", "--train_batch_size 8 -> 16",
+                          "--micro_batch_size 8 -> 4")
