@@ -10,7 +10,7 @@ checkpoint as latest, never a half one. Plain `dcp.load` unpickles `.metadata` a
 
     python checkpoint.py ls OUT_DIR | verify CKPT | export CKPT OUT [--role NAME]
 """
-import base64, hashlib, json, os, pickle, random, shutil, sys
+import base64, hashlib, json, os, pickle, random, shutil, sys, warnings
 
 import numpy as np
 import torch
@@ -193,8 +193,7 @@ def load(path, roles, args, must_match):
     diff = [f"--{k} {meta['args'].get(k)!r} -> {args[k]!r}" for k in must_match if meta["args"].get(k) != args[k]]
     if diff:
         raise CheckpointError(f"{path} was saved by a different run; differing settings: {', '.join(diff)}")
-    state = _state(roles)
-    dcp_load(state, os.path.join(path, "dcp"))
+    dcp_load(state := _state(roles), os.path.join(path, "dcp"))
     for role, (model, optim) in roles.items():
         set_state_dict(model, optim, model_state_dict=state[role]["model"], optim_state_dict=state[role]["optim"])
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -217,6 +216,7 @@ def export(path, out, role=None):
     if (role := role or roles[0]) not in roles:
         raise CheckpointError(f"--role {role}: checkpoint has roles {roles}")
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf))
+    warnings.filterwarnings("ignore", "torch.distributed is disabled")  # no_dist says so: we know
     dcp_load({role: {"model": model.state_dict()}}, os.path.join(path, "dcp"), no_dist=True)  # in place
     model.generation_config = GenerationConfig.from_pretrained(hf)
     for obj in (model, AutoTokenizer.from_pretrained(hf)):
