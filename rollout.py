@@ -173,11 +173,16 @@ def sync_weights(engine, model):
     engine.load_weights(full_tensors())
 
 
-def logprobs_of(model, input_ids, attention_mask, temperature):
+def hash_responses(items):
+    """A short digest of a list of responses (or of digests): equal runs sample equal tokens."""
+    return hashlib.sha256(repr(items).encode()).hexdigest()[:16]
+
+
+def logprobs_of(model, input_ids, attention_mask, temperature, position_ids=None):
     """Logprob of every token under model(logits / temperature): [B, T-1], position t scores token t+1.
 
     Temperature is applied as when sampling (Huang et al. 2023, "N implementation details", policy #1);
     without it the KL to the reference and the PPO ratio are computed for another distribution."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, :-1].float()
     logp = (logits / max(temperature, 1e-7)).log_softmax(-1)
     return logp.gather(-1, input_ids[:, 1:, None])[..., 0]

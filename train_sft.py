@@ -124,12 +124,12 @@ def shard_model(model, device):
     return model
 
 
-def load_model_and_tokenizer(path, cls):
+def load_model_and_tokenizer(path, cls, **kw):
     if path == task.TINY_MODEL:
         task.ensure_tiny_model(path)  # every rank: atomic and deterministic, so no barrier needed
     try:
         tok = AutoTokenizer.from_pretrained(path)
-        model = cls.from_pretrained(path, dtype=torch.float32)  # fp32 master weights, always
+        model = cls.from_pretrained(path, dtype=torch.float32, **kw)  # fp32 master weights, always
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: --model {path}: cannot load ({str(e).splitlines()[0]})")
     if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:

@@ -1,0 +1,108 @@
+"""PPO math against hand-computed values (Tier 1, in-process; whitening uses a 1-rank group)."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import train_ppo as ppo
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group():
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+
+
+def t(x):
+    return torch.tensor(x, dtype=torch.float)
+
+
+def test_rewards_put_kl_on_every_token_and_the_score_on_the_last():
+    logp, ref = t([[-1.0, -2.0, -3.0], [-1.0, -1.0, -9.0]]), t([[-1.5, -2.0, -2.0], [-2.0, -1.0, -1.0]])
+    mask = t([[1, 1, 1], [1, 1, 0]])  # the second response has 2 tokens; position 2 is padding
+    rewards, kl = ppo.compute_rewards(t([1.0, 2.0]), logp, ref, mask, kl_coef=0.1)
+    assert torch.allclose(kl, t([[0.5, 0.0, -1.0], [1.0, 0.0, 0.0]]))
+    assert torch.allclose(rewards, t([[-0.05, 0.0, 0.1 + 1.0], [-0.1, 0.0 + 2.0, 0.0]]))
+
+
+def test_gae_by_hand():
+    adv, ret = ppo.compute_gae(t([[0.0, 0.0, 1.0]]), t([[0.5, 0.6, 0.7]]), t([[1, 1, 1]]), gamma=1.0, lam=0.9)
+    # delta_2 = 1 - 0.7 = 0.3; delta_1 = 0.7 - 0.6 = 0.1; delta_0 = 0.6 - 0.5 = 0.1
+    assert torch.allclose(adv, t([[0.1 + 0.9 * (0.1 + 0.9 * 0.3), 0.1 + 0.9 * 0.3, 0.3]]))
+    assert torch.allclose(ret, adv + t([[0.5, 0.6, 0.7]]))
+    # Padding: the value at a padded position (9.0) must not leak into the last real token's target.
+    adv, ret = ppo.compute_gae(t([[0.0, 1.0, 0.0]]), t([[0.2, 0.4, 9.0]]), t([[1, 1, 0]]), gamma=0.5, lam=1.0)
+    assert torch.allclose(adv, t([[0.0 + 0.5 * 0.6, 1.0 - 0.4, 0.0]]))  # delta_0 = 0.5*0.4 - 0.2 = 0
+    assert torch.allclose(ret, t([[0.5, 1.0, 0.0]]))
+
+
+def test_masked_whiten():
+    x, mask = t([[1.0, 2.0, 3.0], [4.0, 50.0, 60.0]]), t([[1, 1, 1], [1, 0, 0]])
+    sd = math.sqrt(1.25)  # of 1, 2, 3, 4 (the population variance; padding ignored)
+    want = t([[-1.5 / sd, -0.5 / sd, 0.5 / sd], [1.5 / sd, 0.0, 0.0]])
+    assert torch.allclose(ppo.masked_whiten(x, mask), want, atol=1e-6)
+    assert torch.allclose(ppo.masked_whiten(x, mask, shift_mean=False), (want + 2.5) * mask, atol=1e-6)
+
+
+def test_clipped_policy_loss_by_hand():
+    ratio = t([[1.5, 0.5, 0.5, 1.5]])
+    old = t([[-1.0, -1.0, -1.0, -1.0]])
+    adv = t([[1.0, 1.0, -1.0, -1.0]])
+    loss, clipfrac, approxkl, r = ppo.policy_loss(old + ratio.log(), old, adv, torch.ones(1, 4), 0.2, n_tokens=4)
+    # max(-A r, -A clip(r)): -1.2 (clipped), -0.5, 0.8 (clipped), 1.5
+    assert loss.item() == pytest.approx((-1.2 - 0.5 + 0.8 + 1.5) / 4)
+    assert clipfrac.item() == pytest.approx(0.5)
+    assert approxkl.item() == pytest.approx(0.5 * (2 * math.log(1.5) ** 2 + 2 * math.log(0.5) ** 2) / 4)
+    assert torch.allclose(r, ratio)
+    # A padded token contributes nothing, whatever its values.
+    loss2, *_ = ppo.policy_loss(t([[0.0, 5.0]]), t([[0.0, -5.0]]), t([[1.0, 100.0]]), t([[1, 0]]), 0.2, n_tokens=1)
+    assert loss2.item() == pytest.approx(-1.0)
+
+
+def test_value_loss_clipped_and_not():
+    v, old, ret, m = t([[1.0, 0.0]]), t([[0.5, 0.0]]), t([[0.0, 0.3]]), t([[1, 1]])
+    loss, frac = ppo.value_loss(v, old, ret, m, 0.0, n_tokens=2)
+    assert loss.item() == pytest.approx(0.5 * (1.0 + 0.09) / 2) and frac.item() == 0
+    # clipped: v 1.0 -> 0.7 (old 0.5 + 0.2): max(1.0, 0.49) = 1.0; second token unchanged 0.09
+    loss, frac = ppo.value_loss(v, old, ret, m, 0.2, n_tokens=2)
+    assert loss.item() == pytest.approx(0.5 * (1.0 + 0.09) / 2) and frac.item() == 0
+    v = t([[0.0, 0.0]])  # now clipping raises the loss: 0.5 - 0.2 = 0.3 -> (0.3)^2 > 0
+    loss, frac = ppo.value_loss(v, old, ret, m, 0.2, n_tokens=2)
+    assert loss.item() == pytest.approx(0.5 * (0.09 + 0.09) / 2) and frac.item() == pytest.approx(0.5)
+
+
+def test_group_baselines():
+    s = t([[1.0, 0.0, 0.0, 1.0]])
+    grpo = ppo.group_advantages(s, "grpo")
+    std = math.sqrt(1 / 3)  # unbiased std of 1, 0, 0, 1
+    assert torch.allclose(grpo, t([[0.5, -0.5, -0.5, 0.5]]) / (std + 1e-4))
+    assert torch.allclose(ppo.group_advantages(s, "rloo"), t([[2 / 3, -2 / 3, -2 / 3, 2 / 3]]))
+    assert torch.allclose(ppo.group_advantages(t([[1.0, 1.0]]), "grpo"), t([[0.0, 0.0]]))  # no signal, no NaN
+
+
+def test_eos_penalty():
+    got = ppo.eos_penalized(t([1.0, 1.0, 0.0]), [True, False, False], penalty=1.0)
+    assert torch.allclose(got, t([1.0, 0.0, -1.0]))
+
+
+def test_adaptive_kl_controller():
+    assert ppo.update_kl_coef(0.1, kl=12.0, target=6.0, horizon=1000, n_responses=100) == pytest.approx(0.1 * 1.02)
+    assert ppo.update_kl_coef(0.1, kl=6.6, target=6.0, horizon=1000, n_responses=100) == pytest.approx(0.1 * 1.01)
+    assert ppo.update_kl_coef(0.1, kl=0.0, target=6.0, horizon=1000, n_responses=100) == pytest.approx(0.1 * 0.98)
+
+
+def test_make_batch_layout():
+    ids, attn, pos, mask, P = ppo.make_batch([[5, 6], [7]], [[8, 2], [9, 10, 2]], pad_id=0)
+    assert P == 2
+    assert ids.tolist() == [[5, 6, 8, 2, 0], [0, 7, 9, 10, 2]]
+    assert attn.tolist() == [[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]]
+    assert pos.tolist() == [[0, 1, 2, 3, 3], [0, 0, 1, 2, 3]]
+    assert mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+
+
+def test_k3_kl_loss():
+    logp, ref = t([[math.log(0.5), math.log(0.2)]]), t([[math.log(0.25), math.log(0.2)]])
+    # k3 = r - log r - 1 with r = pi_ref/pi: 0.5 - log 0.5 - 1 on token 0, 0 on token 1
+    assert ppo.kl_loss(logp, ref, t([[1, 1]]), n_tokens=2).item() == pytest.approx((0.5 - math.log(0.5) - 1) / 2)

@@ -1,0 +1,571 @@
+"""PPO for language models: actor, critic, frozen reference, reward; GAE, clipped losses, per-token KL.
+
+Stage 3 of RLHF (Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences"; Ouyang et
+al. 2022), with the implementation details of Huang et al. 2023, "The N Implementation Details of
+RLHF with PPO" ([N] below; section and number cited at each use). PPO itself: Schulman et al. 2017
+("Proximal Policy Optimization Algorithms", eq. 7 and 9); GAE: Schulman et al. 2016 (eq. 16).
+`--advantage_estimator grpo|rloo` drops the critic for group baselines over each prompt's samples
+(Shao et al. 2024, DeepSeekMath eq. 3; Ahmadian et al. 2024, "Back to Basics", RLOO).
+
+    torchrun --nproc_per_node=2 train_ppo.py --model runs/sft/hf --out_dir runs/ppo [--resume latest]
+"""
+import argparse, ast, dataclasses, importlib, inspect, json, math, os, random, sys, time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from tqdm import tqdm
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification,
+                          AutoTokenizer, get_linear_schedule_with_warmup)
+
+import checkpoint
+import rollout
+import task
+
+
+@dataclasses.dataclass
+class Args:
+    model: str = "runs/sft/hf"
+    """the SFT export (HF folder or hub id): initialises actor, critic backbone and frozen reference"""
+    data: str = ""
+    """prompts JSONL, one {"prompt": ...} per line (default: the embedded addition task's train split)"""
+    eval_data: str = ""
+    """held-out prompts JSONL (default: the embedded task's held-out split; none with --data)"""
+    out_dir: str = "runs/ppo"
+    """checkpoints/, metrics.jsonl and the final hf/ export of the actor go here"""
+    max_steps: int = 200
+    """PPO iterations (rollout + scoring + ppo_epochs of updates + weight sync)"""
+    save_every: int = 50
+    """save a full checkpoint every this many iterations (and at the end)"""
+    keep_last: int = 2
+    """keep this many checkpoints; older ones are pruned after a new one is committed"""
+    resume: str = ""
+    """'latest' (newest checkpoint in out_dir that verifies) or a checkpoint path; empty: start fresh"""
+    seed: int = 42
+    """seeds prompt order, sampling and every RNG"""
+    rollout_batch_size: int = 64
+    """prompts per iteration, over all ranks"""
+    n_samples_per_prompt: int = 4
+    """responses sampled per prompt (the group for grpo/rloo)"""
+    train_batch_size: int = 64
+    """responses per optimizer step, over all ranks (rollout_batch_size * n / this = updates per epoch)"""
+    micro_batch_size: int = 32
+    """responses per forward/backward on one rank; grad accumulation makes up the rest"""
+    ppo_epochs: int = 2
+    """passes over each iteration's rollouts, reshuffled every pass [N policy #7]"""
+    lr: float = 3e-4
+    """actor learning rate (AdamW, eps 1e-5 [N general #5], linear decay to 0)"""
+    critic_lr: float = 1e-3
+    """critic learning rate"""
+    max_grad_norm: float = 1.0
+    """clip each model's global gradient norm to this"""
+    advantage_estimator: str = "gae"
+    """gae (critic + GAE), grpo (group mean/std baseline, no critic) or rloo (leave-one-out, no critic)"""
+    gamma: float = 1.0
+    """GAE discount [N policy #6]"""
+    lam: float = 0.95
+    """GAE lambda [N policy #6]"""
+    cliprange: float = 0.2
+    """PPO ratio clip epsilon"""
+    cliprange_value: float = 0.2
+    """value clip around the old values; 0: no value clipping [N policy #10]"""
+    kl_coef: float = 0.05
+    """beta of the per-token KL penalty (initial value when adaptive)"""
+    target_kl: float = 0.0
+    """> 0: adaptive KL controller aiming at this KL per response (Ziegler et al. 2019); 0: fixed beta"""
+    kl_horizon: int = 10000
+    """adaptive controller horizon, in responses"""
+    missing_eos_penalty: float = 1.0
+    """subtracted from the score of a response cut at max_new_tokens without EOS [N policy #5]"""
+    whiten_rewards: bool = False
+    """whiten the per-token rewards (scale only) before GAE [N policy #9]"""
+    reward_fn: str = "task:reward_fn"
+    """module:function(prompt, response) -> float, the rule reward (used unless --reward_model)"""
+    reward_model: str = ""
+    """HF AutoModelForSequenceClassification folder; its score at the last real token is the reward"""
+    max_new_tokens: int = 8
+    """response length limit"""
+    temperature: float = 1.0
+    """sampling temperature, applied to the logits of every logprob too [N policy #1]"""
+    rollout_engine: str = "auto"
+    """vllm, hf, or auto (vllm when installed)"""
+    gpu_memory_utilization: float = 0.3
+    """GPU only: share of GPU memory vLLM may take (the trainer needs the rest)"""
+    enforce_eager: bool = False
+    """GPU only: no CUDA graphs in vLLM (slower decoding, faster start, less memory)"""
+    eval_every: int = 25
+    """greedy-decode the held-out prompts every this many iterations (and at start and end)"""
+    eval_samples: int = 256
+    """held-out prompts per evaluation"""
+    log_samples_every: int = 10
+    """log a few prompt/response/score rows every this many iterations"""
+    stop_at_step: int = 0
+    """save and exit after this iteration, as a preempted run would (for testing resume); 0: never"""
+
+
+# ==== shared boilerplate: copied verbatim in train_sft.py and train_ppo.py (tests/test_style.py) ====
+def parse_args(cls):
+    """argparse from a dataclass; each field's docstring is its --help."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    docs = {a.target.id: b.value.value for a, b in zip(body, body[1:]) if isinstance(a, ast.AnnAssign)
+            and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+    p = argparse.ArgumentParser(description=sys.modules[cls.__module__].__doc__.split("\n")[0])
+    for f in dataclasses.fields(cls):
+        kind = (lambda s: s.lower() in ("1", "true", "yes")) if f.type is bool else f.type
+        p.add_argument(f"--{f.name}", type=kind, default=f.default, help=f"{docs[f.name]} (default: {f.default!r})")
+    args = cls(**vars(p.parse_args()))
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and not args.resume:
+        args.resume = "latest"  # torchrun --max-restarts restarted the group: carry on where it stopped
+    return args
+
+
+def init_distributed(seed):
+    """One process group for all: NCCL on GPUs, gloo on CPUs; plain `python` gets a 1-rank group.
+    Seeds every RNG per rank (dropout masks must differ across ranks); a resume restores them."""
+    single = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, **single)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", **single)
+    rank = dist.get_rank()
+    random.seed(seed + rank), np.random.seed(seed + rank), torch.manual_seed(seed + rank)
+    return rank, dist.get_world_size(), device
+
+
+def print0(*a):
+    if dist.get_rank() == 0:
+        tqdm.write(" ".join(str(x) for x in a))
+
+
+def log(metrics, step, out_dir):
+    """Append {"step": ..., "<group>/<name>": ...} to <out_dir>/metrics.jsonl (rank 0)."""
+    if dist.get_rank() == 0:
+        with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+
+def truncate_log(out_dir, step):
+    """A resumed run redoes the steps its predecessor logged after the checkpoint: drop those lines."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if dist.get_rank() == 0 and os.path.exists(path):
+        rows = [r for r in open(path) if json.loads(r)["step"] <= step]
+        with open(path, "w") as f:
+            f.writelines(rows)
+
+
+def shard_model(model, device):
+    """FSDP2: fully_shard every transformer block (HF names them in _no_split_modules), then the root.
+    bf16 compute with fp32 gradient reduction and fp32 master weights on GPU; plain fp32 on CPU."""
+    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
+    blocks = set(getattr(model, "_no_split_modules", None) or [])
+    for m in model.modules():
+        if type(m).__name__ in blocks:
+            fully_shard(m, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def load_model_and_tokenizer(path, cls, **kw):
+    if path == task.TINY_MODEL:
+        task.ensure_tiny_model(path)  # every rank: atomic and deterministic, so no barrier needed
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = cls.from_pretrained(path, dtype=torch.float32, **kw)  # fp32 master weights, always
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: --model {path}: cannot load ({str(e).splitlines()[0]})")
+    if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
+        raise SystemExit(f"error: --model {path}: tokenizer needs a PAD token distinct from EOS")
+    return model, tok
+
+
+def load_jsonl(path, fields):
+    """The rows of a JSONL file, each an object with string `fields`; errors name file and line."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: {path}: no such file")
+    rows = []
+    for n, line in enumerate(open(path), 1):
+        try:
+            rows += [json.loads(line)] if line.strip() else []
+        except ValueError as e:
+            raise SystemExit(f"error: {path}:{n}: not valid JSON ({e})")
+        for k in fields if line.strip() else []:
+            if not isinstance(rows[-1], dict) or not isinstance(rows[-1].get(k), str):
+                raise SystemExit(f"error: {path}:{n}: expected a string field {k!r}")
+    if not rows:
+        raise SystemExit(f"error: {path}: no examples")
+    return rows
+
+
+def encode_prompt(tok, prompt):
+    """Token ids of a prompt: the chat template's user turn when the tokenizer has one."""
+    if tok.chat_template:
+        return tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)["input_ids"]
+    return tok(prompt).input_ids
+
+
+def batch_indices(step, n, batch_size, seed):
+    """Global example indices of optimizer step `step`: a pure function of (seed, step), so resuming at
+    any step (or on another world size) lands on exactly the same data; no sampler state to lose."""
+    per_epoch = n // batch_size  # the incomplete last batch of an epoch is dropped
+    epoch, i = divmod(step, per_epoch)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    return perm[i * batch_size:(i + 1) * batch_size].tolist(), epoch
+# ==== end shared boilerplate ====
+
+
+# ---- the math, as in the papers ----------------------------------------------------------------------
+def masked_mean(x, mask, n=None):
+    """Mean of x over mask == 1; n: the count to divide by, when it spans more than this tensor."""
+    return (x * mask).sum() / (mask.sum() if n is None else n)
+
+
+def masked_whiten(x, mask, shift_mean=True):
+    """(x - mean) / std over the masked entries of all ranks [N policy #9]. Collective: all_reduce of
+    (sum, sum of squares, count), so every rank whitens with the same global statistics."""
+    stats = torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()]).double()
+    dist.all_reduce(stats)
+    mean, var = stats[0] / stats[2], stats[1] / stats[2] - (stats[0] / stats[2]) ** 2
+    white = ((x - mean) * torch.rsqrt(var + 1e-8)).to(x.dtype)
+    return (white if shift_mean else white + mean.to(x.dtype)) * mask
+
+
+def compute_rewards(scores, logprobs, ref_logprobs, mask, kl_coef):
+    """Per-token reward r_t = -beta * (log pi(y_t) - log pi_ref(y_t)), plus the score at the last
+    response token (Ziegler et al. 2019 eq. 2; [N policy #8]). scores [B]; the rest [B, R]."""
+    kl = (logprobs - ref_logprobs) * mask                 # k1 estimator of the per-token KL  [B, R]
+    rewards = -kl_coef * kl
+    last = mask.sum(1).long() - 1                         # index of each response's last token  [B]
+    rewards[torch.arange(len(scores)), last] += scores
+    return rewards, kl
+
+
+def compute_gae(rewards, values, mask, gamma, lam):
+    """Generalised advantage estimation (Schulman et al. 2016, eq. 16) over response tokens:
+    delta_t = r_t + gamma V_{t+1} - V_t,  A_t = delta_t + gamma lam A_{t+1}, with V and A zero past
+    the last token. returns = A + V, the value targets. All [B, R]."""
+    advantages, next_adv, R = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0]), rewards.shape[1]
+    for t in reversed(range(R)):
+        alive = mask[:, t + 1] if t + 1 < R else torch.zeros_like(next_adv)  # 0 past the last token
+        next_v = values[:, t + 1] * alive if t + 1 < R else alive
+        delta = rewards[:, t] + gamma * next_v - values[:, t]
+        next_adv = delta + gamma * lam * alive * next_adv
+        advantages[:, t] = next_adv
+    advantages = advantages * mask
+    return advantages, (advantages + values) * mask
+
+
+def group_advantages(scores, kind):
+    """Critic-free baselines over each prompt's n samples, scores [G, n] -> advantages [G, n].
+    grpo: (s - mean) / std of the group (Shao et al. 2024, eq. 3, outcome supervision);
+    rloo: s - mean of the other n-1 samples (Ahmadian et al. 2024, eq. 6)."""
+    n = scores.shape[1]
+    if kind == "grpo":
+        return (scores - scores.mean(1, keepdim=True)) / (scores.std(1, keepdim=True) + 1e-4)
+    return scores - (scores.sum(1, keepdim=True) - scores) / (n - 1)
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, n_tokens):
+    """Clipped surrogate (Schulman et al. 2017, eq. 7), as a loss: mean over tokens of
+    max(-A ratio, -A clip(ratio, 1-eps, 1+eps)). All [B, R]; n_tokens: the global token count."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    pg_losses, pg_losses2 = -advantages * ratio, -advantages * ratio.clamp(1 - cliprange, 1 + cliprange)
+    pg_loss = masked_mean(torch.max(pg_losses, pg_losses2), mask, n_tokens)
+    clipfrac = masked_mean((pg_losses2 > pg_losses).float(), mask, n_tokens)
+    approxkl = 0.5 * masked_mean((logprobs - old_logprobs) ** 2, mask, n_tokens)
+    return pg_loss, clipfrac, approxkl, ratio
+
+
+def kl_loss(logprobs, ref_logprobs, mask, n_tokens):
+    """GRPO's KL term (Shao et al. 2024, eq. 4), the unbiased, non-negative k3 estimator:
+    pi_ref/pi - log(pi_ref/pi) - 1 per token. [B, R]."""
+    log_ratio = ref_logprobs - logprobs
+    return masked_mean(torch.exp(log_ratio) - log_ratio - 1, mask, n_tokens)
+
+
+def value_loss(values, old_values, returns, mask, cliprange_value, n_tokens):
+    """0.5 (V - returns)^2, optionally clipped around the old values like the policy ([N policy #10];
+    Schulman et al.'s baselines code). All [B, R]."""
+    vf_losses = (values - returns) ** 2
+    if cliprange_value <= 0:
+        return 0.5 * masked_mean(vf_losses, mask, n_tokens), torch.zeros(())
+    clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    vf_losses2 = (clipped - returns) ** 2
+    vf_clipfrac = masked_mean((vf_losses2 > vf_losses).float(), mask, n_tokens)
+    return 0.5 * masked_mean(torch.max(vf_losses, vf_losses2), mask, n_tokens), vf_clipfrac
+
+
+def eos_penalized(scores, finished, penalty):
+    """A response cut at max_new_tokens without EOS loses `penalty` [N policy #5]. scores [B]."""
+    return scores - penalty * (1 - torch.tensor(finished, dtype=scores.dtype))
+
+
+def update_kl_coef(kl_coef, kl, target, horizon, n_responses):
+    """Adaptive KL controller (Ziegler et al. 2019, sec. 2.2): proportional error clipped to +-0.2."""
+    error = min(max(kl / target - 1, -0.2), 0.2)
+    return kl_coef * (1 + error * n_responses / horizon)
+
+
+# ---- plumbing for one iteration ------------------------------------------------------------------
+def make_batch(prompts, responses, pad_id):
+    """Left-padded prompts then right-padded responses, so every response starts at column P:
+    ids, attention mask, position ids from the mask [N general #3] ([B, P+R]); response mask [B, R]."""
+    P, R = max(map(len, prompts)), max(map(len, responses))
+    rows = [([0] * (P - len(p)), p + r, [0] * (R - len(r))) for p, r in zip(prompts, responses)]
+    ids = torch.tensor([[pad_id] * len(a) + b + [pad_id] * len(c) for a, b, c in rows])
+    attn = torch.tensor([a + [1] * len(b) + c for a, b, c in rows])
+    return ids, attn, (attn.cumsum(1) - 1).clamp(min=0), attn[:, P:].float(), P
+
+
+def load_reward_fn(spec):
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"error: --reward_fn {spec}: expected module:function importable from here ({e})")
+
+
+def rule_scores(fn, spec, prompts, responses):
+    out = []
+    for p, r in zip(prompts, responses):
+        try:
+            s = fn(p, r)
+        except Exception as e:  # a user's function: any failure becomes one clear line
+            raise SystemExit(f"error: --reward_fn {spec} raised {e!r} on prompt {p!r}, response {r!r}")
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
+            raise SystemExit(f"error: --reward_fn {spec} returned {s!r} for prompt {p!r}; expected a finite number")
+        out.append(float(s))
+    return torch.tensor(out)
+
+
+@torch.no_grad()
+def evaluate(engine, tok, items, scorer, max_new_tokens, device):
+    """Mean score of greedy responses to held-out prompts (= accuracy for a 0/1 reward). Collective."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = items[rank::world][:len(items) // world]  # equal shares: scoring may be collective
+    gen = engine.generate([ids for ids, _ in mine], 1, max_new_tokens, 0.0, 1.0, [0] * len(mine))
+    total = torch.stack([scorer([ids for ids, _ in mine], [p for _, p in mine], gen.response_ids).sum(),
+                         torch.tensor(float(len(mine)))]).to(device)
+    dist.all_reduce(total)  # every rank's sum and count
+    return (total[0] / total[1]).item()
+
+
+def main(args):
+    rank, world, device = init_distributed(args.seed)
+    os.makedirs(args.out_dir, exist_ok=True)
+    n, per_rank = args.n_samples_per_prompt, args.rollout_batch_size // world
+    mb_rank = args.train_batch_size // world  # responses per rank per optimizer step
+    if (args.rollout_batch_size % world or args.train_batch_size % (world * args.micro_batch_size)
+            or (args.rollout_batch_size * n) % args.train_batch_size):
+        raise SystemExit(f"error: batch sizes do not divide: need --rollout_batch_size {args.rollout_batch_size} "
+                         f"divisible by world size {world}, --rollout_batch_size x --n_samples_per_prompt {n} by "
+                         f"--train_batch_size {args.train_batch_size}, and that by --micro_batch_size "
+                         f"{args.micro_batch_size} x world size")
+    if args.advantage_estimator not in ("gae", "grpo", "rloo") or (args.advantage_estimator != "gae" and n < 2):
+        raise SystemExit(f"error: --advantage_estimator {args.advantage_estimator}: expected gae, or grpo/rloo "
+                         f"with --n_samples_per_prompt >= 2")
+    use_critic = args.advantage_estimator == "gae"
+
+    # Roles. Every model stays in eval mode: dropout off, so the first ratio is exactly 1 and the KL
+    # is reproducible [N policy #4]; gradients flow all the same.
+    actor, tok = load_model_and_tokenizer(args.model, AutoModelForCausalLM)
+    ref = load_model_and_tokenizer(args.model, AutoModelForCausalLM)[0].requires_grad_(False)
+    models = [actor, ref]
+    if use_critic:  # critic: the SFT backbone and a value head; zero head = zero initial values [N policy #2]
+        critic = load_model_and_tokenizer(args.model, AutoModelForTokenClassification, num_labels=1)[0]
+        torch.nn.init.zeros_(critic.score.weight), torch.nn.init.zeros_(critic.score.bias)
+        models.append(critic)
+    if args.reward_model:
+        rm = load_model_and_tokenizer(args.reward_model, AutoModelForSequenceClassification, num_labels=1)[0]
+        models.append(rm.requires_grad_(False))
+    for m in models:
+        shard_model(m.eval(), device)
+    roles = {"actor": (actor, torch.optim.AdamW(actor.parameters(), lr=args.lr, eps=1e-5))}
+    if use_critic:
+        roles["critic"] = (critic, torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, eps=1e-5))
+    scheds = {k: get_linear_schedule_with_warmup(o, 0, args.max_steps) for k, (_, o) in roles.items()}
+
+    fn = None if args.reward_model else load_reward_fn(args.reward_fn)
+
+    def scorer(p_ids, p_texts, responses):  # raw scores [N]; collective with a reward model
+        if fn:
+            return rule_scores(fn, args.reward_fn, p_texts, tok.batch_decode(responses, skip_special_tokens=True))
+        ids, attn, pos, _, _ = (t.to(device) if torch.is_tensor(t) else t for t in make_batch(p_ids, responses, tok.pad_token_id))
+        with torch.no_grad():  # HF reads the score at the last non-pad token: EOS or the last one [N RM #1]
+            return torch.cat([rm(input_ids=ids[i:i + args.micro_batch_size], attention_mask=attn[i:i + args.micro_batch_size],
+                                 position_ids=pos[i:i + args.micro_batch_size]).logits[:, 0].float().cpu()
+                              for i in range(0, len(ids), args.micro_batch_size)])
+
+    ctx = actor.config.max_position_embeddings
+    def prompt_items(rows, src):
+        items = [(encode_prompt(tok, r["prompt"]), r["prompt"]) for r in rows]
+        for i, (ids, _) in enumerate(items):
+            if len(ids) + args.max_new_tokens > ctx:
+                raise SystemExit(f"error: {src}:{i + 1}: prompt of {len(ids)} tokens + --max_new_tokens "
+                                 f"{args.max_new_tokens} exceeds the model's context ({ctx})")
+        return items
+    train = prompt_items(load_jsonl(args.data, ("prompt",)) if args.data else task.make_split("train"),
+                         args.data or "embedded task")
+    held_out = prompt_items((load_jsonl(args.eval_data, ("prompt",)) if args.eval_data else [] if args.data
+                             else task.make_split("test"))[:args.eval_samples], args.eval_data or "embedded task")
+    if len(train) < args.rollout_batch_size:
+        raise SystemExit(f"error: {args.data or 'embedded task'}: {len(train)} prompts, fewer than --rollout_batch_size")
+
+    # The engine before the checkpoint: vLLM seeds the global RNGs while it starts.
+    engine = rollout.build_engine(args.rollout_engine, args.model, ctx, args.seed, tok.eos_token_id,
+                                  args.gpu_memory_utilization, args.enforce_eager)
+    start, kl_coef = 0, args.kl_coef
+    path = checkpoint.resolve(args.out_dir, args.resume)
+    if path:  # RNG restored last, inside load
+        meta = checkpoint.load(path, roles, vars(args), must_match=["model", "data", "seed", "rollout_batch_size",
+                               "n_samples_per_prompt", "train_batch_size", "micro_batch_size", "advantage_estimator",
+                               "reward_fn", "reward_model"])
+        for k, s in scheds.items():
+            s.load_state_dict(meta["scheduler"][k])
+        start, kl_coef = meta["step"], meta["kl_coef"]
+        truncate_log(args.out_dir, start)
+        rollout.sync_weights(engine, actor)  # the engine started from --model: give it the resumed actor
+        print0(f"resumed from {path} at step {start}")
+    elif held_out:
+        acc = evaluate(engine, tok, held_out, scorer, args.max_new_tokens, device)
+        print0(f"step 0: held-out accuracy {acc:.3f}")
+        log({"eval/accuracy": acc}, 0, args.out_dir)
+
+    step, pbar = start, tqdm(total=args.max_steps, initial=start, disable=rank != 0, desc="ppo")
+    for step in range(start + 1, args.max_steps + 1):
+        # (1) Rollout: this rank's share of the step's prompts, n samples each, seeded per prompt.
+        t0 = time.time()
+        idx, epoch = batch_indices(step - 1, len(train), args.rollout_batch_size, args.seed)
+        mine = range(rank * per_rank, (rank + 1) * per_rank)  # positions in the global batch
+        gen = engine.generate([train[idx[j]][0] for j in mine], n, args.max_new_tokens, args.temperature, 1.0,
+                              [rollout.prompt_seed(args.seed, step, j) for j in mine])
+        engine.sleep()
+        p_ids = [train[idx[j]][0] for j in mine for _ in range(n)]
+        # (2) Score; a response cut without EOS is penalised [N policy #5].
+        t1 = time.time()
+        raw = scorer(p_ids, [train[idx[j]][1] for j in mine for _ in range(n)], gen.response_ids)
+        scores = eos_penalized(raw, gen.finished, args.missing_eos_penalty)
+        # (3) Old logprobs, reference logprobs and values, with the training models, in a random
+        # order that the first PPO epoch keeps: its first micro-batch then sees ratio == 1 exactly.
+        order = torch.randperm(len(p_ids))
+        ids, attn, pos, mask, P = (t.to(device) if torch.is_tensor(t) else t for t in make_batch(
+            [p_ids[i] for i in order], [gen.response_ids[i] for i in order], tok.pad_token_id))
+        chunks = [slice(i, i + args.micro_batch_size) for i in range(0, len(order), args.micro_batch_size)]
+
+        def fwd(model, c, values=False):  # [mb, R] logprobs (temperature applied [N policy #1]) or values
+            if values:
+                return model(input_ids=ids[c], attention_mask=attn[c], position_ids=pos[c]).logits[:, P - 1:-1, 0].float()
+            return rollout.logprobs_of(model, ids[c], attn[c], args.temperature, pos[c])[:, P - 1:]
+        with torch.no_grad():
+            old_logprobs = torch.cat([fwd(actor, c) for c in chunks]) * mask
+            ref_logprobs = torch.cat([fwd(ref, c) for c in chunks]) * mask
+            old_values = torch.cat([fwd(critic, c, True) for c in chunks]) * mask if use_critic else None
+        # (4) Rewards: per-token KL penalty, the score at the last token; advantages by GAE or groups.
+        scores = scores[order].to(device)
+        if use_critic:
+            rewards, kl = compute_rewards(scores, old_logprobs, ref_logprobs, mask, kl_coef)
+            if args.whiten_rewards:
+                rewards = masked_whiten(rewards, mask, shift_mean=False)
+            advantages, returns = compute_gae(rewards, old_values, mask, args.gamma, args.lam)
+            advantages = masked_whiten(advantages, mask)  # [N policy #9]
+        else:  # groups need the rollout's order back. rloo folds the KL into the sequence reward
+            kl = (old_logprobs - ref_logprobs) * mask  # (Ahmadian et al.); grpo keeps it a loss term, as
+            seq = torch.empty_like(scores)            # dividing by a group's std would blow up KL noise
+            seq[order.to(device)] = scores - (kl_coef * kl.sum(1) if args.advantage_estimator == "rloo" else 0)
+            advantages = group_advantages(seq.view(-1, n), args.advantage_estimator).flatten()[order.to(device)]
+            advantages = advantages[:, None] * mask
+        # (5) PPO epochs over shuffled minibatches, with gradient accumulation over micro-batches.
+        t2 = time.time()
+        stats = torch.zeros(6, device=device)  # pg_loss, clipfrac, approxkl, vf_loss, vf_clipfrac, updates
+        ratio0 = None
+        for ppo_epoch in range(args.ppo_epochs):
+            perm = torch.arange(len(order)) if ppo_epoch == 0 else torch.randperm(len(order))
+            for b in range(0, len(order), mb_rank):
+                rows = perm[b:b + mb_rank].to(device)
+                n_tok = mask[rows].sum()
+                dist.all_reduce(n_tok)  # token-mean over the global minibatch, as in SFT
+                for c in range(0, len(rows), args.micro_batch_size):
+                    r = rows[c:c + args.micro_batch_size]
+                    logprobs = rollout.logprobs_of(actor, ids[r], attn[r], args.temperature, pos[r])[:, P - 1:]
+                    pg_loss, clipfrac, approxkl, ratio = policy_loss(logprobs, old_logprobs[r], advantages[r], mask[r],
+                                                                     args.cliprange, n_tok)
+                    if args.advantage_estimator == "grpo":
+                        pg_loss = pg_loss + kl_coef * kl_loss(logprobs, ref_logprobs[r], mask[r], n_tok)
+                    (pg_loss * world).backward()  # FSDP averages over ranks; n_tok already counts all ranks
+                    ratio0 = ((ratio - 1).abs() * mask[r]).max().item() if ratio0 is None else ratio0
+                    vf = [torch.zeros(()), torch.zeros(())]
+                    if use_critic:
+                        values = critic(input_ids=ids[r], attention_mask=attn[r], position_ids=pos[r]).logits[:, P - 1:-1, 0]
+                        vf = value_loss(values.float(), old_values[r], returns[r], mask[r], args.cliprange_value, n_tok)
+                        (vf[0] * world).backward()
+                    stats += torch.stack([pg_loss.detach(), clipfrac, approxkl.detach(), vf[0].detach().to(device),
+                                          vf[1].to(device), torch.zeros((), device=device)])
+                for model, optim in roles.values():
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    optim.step()
+                    optim.zero_grad(set_to_none=True)
+                stats[5] += 1
+        for s in scheds.values():
+            s.step()
+        # (6) Push the new actor weights into the engine.
+        t3 = time.time()
+        rollout.sync_weights(engine, actor)
+        t4 = time.time()
+
+        # Logging: one all_reduce of every per-rank sum (means over all ranks' responses and tokens).
+        totals = torch.stack([raw.sum(), torch.tensor(float(sum(gen.finished))), torch.tensor(float(len(raw))), (kl.sum().cpu()),
+                              (-old_logprobs * mask).sum().cpu(), mask.sum().cpu()]).to(device)
+        dist.all_reduce(totals)
+        dist.all_reduce(stats)
+        n_resp, n_tokens = totals[2].item(), totals[5].item()
+        upd = stats[5].item() / world  # losses were normalised by global token counts: sums over ranks
+        metrics = {"objective/score": totals[0].item() / n_resp, "objective/kl": totals[3].item() / n_resp,
+                   "objective/entropy": totals[4].item() / n_tokens, "objective/kl_coef": kl_coef,
+                   "objective/no_eos_frac": 1 - totals[1].item() / n_resp, "objective/response_len": n_tokens / n_resp,
+                   "policy/pg_loss": stats[0].item() / upd, "policy/clipfrac": stats[1].item() / upd,
+                   "policy/approxkl": stats[2].item() / upd, "policy/first_ratio_dev": ratio0,
+                   "val/loss": stats[3].item() / upd, "val/clipfrac": stats[4].item() / upd,
+                   "time/rollout_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2, "time/sync_s": t4 - t3,
+                   "train/epoch": epoch, "train/lr": scheds["actor"].get_last_lr()[0]}
+        if args.target_kl > 0:
+            kl_coef = update_kl_coef(kl_coef, metrics["objective/kl"], args.target_kl, args.kl_horizon, n_resp)
+        hashes = [None] * world
+        dist.all_gather_object(hashes, rollout.hash_responses(gen.response_ids))  # for exact-resume checks
+        metrics["rollout/responses_sha"] = rollout.hash_responses(hashes)
+        if held_out and (step == args.max_steps or (args.eval_every and step % args.eval_every == 0)):
+            metrics["eval/accuracy"] = evaluate(engine, tok, held_out, scorer, args.max_new_tokens, device)
+            print0(f"step {step}: held-out accuracy {metrics['eval/accuracy']:.3f}")
+        log(metrics, step, args.out_dir)
+        if rank == 0 and args.log_samples_every and step % args.log_samples_every == 0:
+            with open(os.path.join(args.out_dir, "samples.jsonl"), "a") as f:
+                for i in range(min(4, len(raw))):
+                    f.write(json.dumps({"step": step, "prompt": train[idx[i // n]][1], "score": raw[i].item(),
+                                        "response": tok.decode(gen.response_ids[i], skip_special_tokens=True)}) + "\n")
+        pbar.update(1)
+        pbar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
+        if step % args.save_every == 0 or step in (args.max_steps, args.stop_at_step):
+            meta = {"scheduler": {k: s.state_dict() for k, s in scheds.items()}, "kl_coef": kl_coef, "epoch": epoch,
+                    "consumed_prompts": step * args.rollout_batch_size, "args": vars(args)}
+            checkpoint.save(args.out_dir, step, roles, meta, actor.config, tok, actor.generation_config, args.keep_last)
+        if step == args.stop_at_step:
+            print0(f"stopping after step {step} (--stop_at_step)")
+            break
+    pbar.close()
+
+    if step == args.max_steps and rank == 0:  # the final actor as an HF folder
+        checkpoint.export(os.path.join(args.out_dir, "checkpoints", f"step-{step:08d}"), os.path.join(args.out_dir, "hf"), "actor")
+        print0(f"exported {os.path.join(args.out_dir, 'hf')}")
+    dist.barrier()  # every rank is done before the engine shuts down (vLLM's shutdown ends the group)
+    engine.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_args(Args))
+    except checkpoint.CheckpointError as e:
+        raise SystemExit(f"error: {e}")
