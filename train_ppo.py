@@ -1,11 +1,9 @@
 """PPO for language models: actor, critic, frozen reference, reward; GAE, clipped losses, per-token KL.
 
-Stage 3 of RLHF (Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences"; Ouyang et
-al. 2022), with the implementation details of Huang et al. 2023, "The N Implementation Details of
-RLHF with PPO" ([N] below; section and number cited at each use). PPO itself: Schulman et al. 2017
-("Proximal Policy Optimization Algorithms", eq. 7 and 9); GAE: Schulman et al. 2016 (eq. 16).
-`--advantage_estimator grpo|rloo` drops the critic for group baselines over each prompt's samples
-(Shao et al. 2024, DeepSeekMath eq. 3; Ahmadian et al. 2024, "Back to Basics", RLOO).
+Stage 3 of RLHF (Ziegler et al. 2019; Ouyang et al. 2022) with the details of Huang et al. 2023, "The
+N Implementation Details of RLHF with PPO" ([N section #item] at each use). PPO: Schulman et al. 2017,
+eq. 7; GAE: Schulman et al. 2016, eq. 16. `--advantage_estimator grpo|rloo` drops the critic for group
+baselines over each prompt's samples (Shao et al. 2024, DeepSeekMath; Ahmadian et al. 2024, RLOO).
 
     torchrun --nproc_per_node=2 train_ppo.py --model runs/sft/hf --out_dir runs/ppo [--resume latest]
 """
@@ -73,9 +71,7 @@ class Args:
     kl_coef: float = 0.05
     """beta of the per-token KL penalty (initial value when adaptive)"""
     target_kl: float = 0.0
-    """> 0: adaptive KL controller aiming at this KL per response (Ziegler et al. 2019); 0: fixed beta"""
-    kl_horizon: int = 10000
-    """adaptive controller horizon, in responses"""
+    """> 0: adaptive KL controller aiming at this KL per response, horizon 10k responses; 0: fixed beta"""
     missing_eos_penalty: float = 1.0
     """subtracted from the score of a response cut at max_new_tokens without EOS [N policy #5]"""
     whiten_rewards: bool = False
@@ -95,11 +91,9 @@ class Args:
     enforce_eager: bool = False
     """GPU only: no CUDA graphs in vLLM (slower decoding, faster start, less memory)"""
     eval_every: int = 25
-    """greedy-decode the held-out prompts every this many iterations (and at start and end)"""
+    """greedy-decode the held-out prompts (and log sample rows) every this many iterations, and at the ends"""
     eval_samples: int = 256
     """held-out prompts per evaluation"""
-    log_samples_every: int = 10
-    """log a few prompt/response/score rows every this many iterations"""
     stop_at_step: int = 0
     """save and exit after this iteration, as a preempted run would (for testing resume); 0: never"""
 
@@ -303,32 +297,35 @@ def eos_penalized(scores, finished, penalty):
     return scores - penalty * (1 - torch.tensor(finished, dtype=scores.dtype))
 
 
-def update_kl_coef(kl_coef, kl, target, horizon, n_responses):
+def update_kl_coef(kl_coef, kl, target, n_responses, horizon=10000):
     """Adaptive KL controller (Ziegler et al. 2019, sec. 2.2): proportional error clipped to +-0.2."""
     error = min(max(kl / target - 1, -0.2), 0.2)
     return kl_coef * (1 + error * n_responses / horizon)
 
 
 # ---- plumbing for one iteration ------------------------------------------------------------------
-def make_batch(prompts, responses, pad_id):
+def make_batch(prompts, responses, pad_id, device="cpu"):
     """Left-padded prompts then right-padded responses, so every response starts at column P:
     ids, attention mask, position ids from the mask [N general #3] ([B, P+R]); response mask [B, R]."""
     P, R = max(map(len, prompts)), max(map(len, responses))
     rows = [([0] * (P - len(p)), p + r, [0] * (R - len(r))) for p, r in zip(prompts, responses)]
     ids = torch.tensor([[pad_id] * len(a) + b + [pad_id] * len(c) for a, b, c in rows])
     attn = torch.tensor([a + [1] * len(b) + c for a, b, c in rows])
-    return ids, attn, (attn.cumsum(1) - 1).clamp(min=0), attn[:, P:].float(), P
+    return ids.to(device), attn.to(device), (attn.cumsum(1) - 1).clamp(min=0).to(device), attn[:, P:].float().to(device), P
 
 
-def load_reward_fn(spec):
+def values_of(critic, ids, attn, pos, P):
+    """V(s_t) for every response token: the critic's output at the position before it. [B, R]"""
+    return critic(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, P - 1:-1, 0].float()
+
+
+def rule_scores(spec, prompts, responses):
+    """Scores [B] from --reward_fn module:function(prompt, response) -> float; failures get one line."""
     module, _, name = spec.partition(":")
     try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
         raise SystemExit(f"error: --reward_fn {spec}: expected module:function importable from here ({e})")
-
-
-def rule_scores(fn, spec, prompts, responses):
     out = []
     for p, r in zip(prompts, responses):
         try:
@@ -356,17 +353,14 @@ def evaluate(engine, tok, items, scorer, max_new_tokens, device):
 def main(args):
     rank, world, device = init_distributed(args.seed)
     os.makedirs(args.out_dir, exist_ok=True)
-    n, per_rank = args.n_samples_per_prompt, args.rollout_batch_size // world
-    mb_rank = args.train_batch_size // world  # responses per rank per optimizer step
+    n, per_rank, mb_rank = args.n_samples_per_prompt, args.rollout_batch_size // world, args.train_batch_size // world
     if (args.rollout_batch_size % world or args.train_batch_size % (world * args.micro_batch_size)
             or (args.rollout_batch_size * n) % args.train_batch_size):
-        raise SystemExit(f"error: batch sizes do not divide: need --rollout_batch_size {args.rollout_batch_size} "
-                         f"divisible by world size {world}, --rollout_batch_size x --n_samples_per_prompt {n} by "
-                         f"--train_batch_size {args.train_batch_size}, and that by --micro_batch_size "
-                         f"{args.micro_batch_size} x world size")
+        raise SystemExit(f"error: batch sizes do not divide: --rollout_batch_size {args.rollout_batch_size} by world size "
+                         f"{world}, it x --n_samples_per_prompt {n} by --train_batch_size {args.train_batch_size}, that by "
+                         f"--micro_batch_size {args.micro_batch_size} x world size")
     if args.advantage_estimator not in ("gae", "grpo", "rloo") or (args.advantage_estimator != "gae" and n < 2):
-        raise SystemExit(f"error: --advantage_estimator {args.advantage_estimator}: expected gae, or grpo/rloo "
-                         f"with --n_samples_per_prompt >= 2")
+        raise SystemExit(f"error: --advantage_estimator {args.advantage_estimator}: expected gae, or grpo/rloo with --n_samples_per_prompt >= 2")
     use_critic = args.advantage_estimator == "gae"
 
     # Roles. Every model stays in eval mode: dropout off, so the first ratio is exactly 1 and the KL
@@ -388,19 +382,16 @@ def main(args):
         roles["critic"] = (critic, torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, eps=1e-5))
     scheds = {k: get_linear_schedule_with_warmup(o, 0, args.max_steps) for k, (_, o) in roles.items()}
 
-    fn = None if args.reward_model else load_reward_fn(args.reward_fn)
-
     def scorer(p_ids, p_texts, responses):  # raw scores [N]; collective with a reward model
-        if fn:
-            return rule_scores(fn, args.reward_fn, p_texts, tok.batch_decode(responses, skip_special_tokens=True))
-        ids, attn, pos, _, _ = (t.to(device) if torch.is_tensor(t) else t for t in make_batch(p_ids, responses, tok.pad_token_id))
+        if not args.reward_model:
+            return rule_scores(args.reward_fn, p_texts, tok.batch_decode(responses, skip_special_tokens=True))
+        ids, attn, pos, _, _ = make_batch(p_ids, responses, tok.pad_token_id, device)
         with torch.no_grad():  # HF reads the score at the last non-pad token: EOS or the last one [N RM #1]
-            return torch.cat([rm(input_ids=ids[i:i + args.micro_batch_size], attention_mask=attn[i:i + args.micro_batch_size],
-                                 position_ids=pos[i:i + args.micro_batch_size]).logits[:, 0].float().cpu()
-                              for i in range(0, len(ids), args.micro_batch_size)])
+            return torch.cat([rm(input_ids=ids[c], attention_mask=attn[c], position_ids=pos[c]).logits[:, 0].float().cpu()
+                              for c in torch.arange(len(ids)).split(args.micro_batch_size)])
 
     ctx = actor.config.max_position_embeddings
-    def prompt_items(rows, src):
+    def prompt_items(rows, src):  # [(token ids, text)]
         items = [(encode_prompt(tok, r["prompt"]), r["prompt"]) for r in rows]
         for i, (ids, _) in enumerate(items):
             if len(ids) + args.max_new_tokens > ctx:
@@ -451,24 +442,21 @@ def main(args):
         # (3) Old logprobs, reference logprobs and values, with the training models, in a random
         # order that the first PPO epoch keeps: its first micro-batch then sees ratio == 1 exactly.
         order = torch.randperm(len(p_ids))
-        ids, attn, pos, mask, P = (t.to(device) if torch.is_tensor(t) else t for t in make_batch(
-            [p_ids[i] for i in order], [gen.response_ids[i] for i in order], tok.pad_token_id))
+        ids, attn, pos, mask, P = make_batch([p_ids[i] for i in order], [gen.response_ids[i] for i in order],
+                                             tok.pad_token_id, device)
         chunks = [slice(i, i + args.micro_batch_size) for i in range(0, len(order), args.micro_batch_size)]
 
-        def fwd(model, c, values=False):  # [mb, R] logprobs (temperature applied [N policy #1]) or values
-            if values:
-                return model(input_ids=ids[c], attention_mask=attn[c], position_ids=pos[c]).logits[:, P - 1:-1, 0].float()
+        def fwd(model, c):  # [mb, R]: logprobs, temperature applied [N policy #1]
             return rollout.logprobs_of(model, ids[c], attn[c], args.temperature, pos[c])[:, P - 1:]
         with torch.no_grad():
             old_logprobs = torch.cat([fwd(actor, c) for c in chunks]) * mask
             ref_logprobs = torch.cat([fwd(ref, c) for c in chunks]) * mask
-            old_values = torch.cat([fwd(critic, c, True) for c in chunks]) * mask if use_critic else None
+            old_values = torch.cat([values_of(critic, ids[c], attn[c], pos[c], P) for c in chunks]) * mask if use_critic else None
         # (4) Rewards: per-token KL penalty, the score at the last token; advantages by GAE or groups.
         scores = scores[order].to(device)
         if use_critic:
             rewards, kl = compute_rewards(scores, old_logprobs, ref_logprobs, mask, kl_coef)
-            if args.whiten_rewards:
-                rewards = masked_whiten(rewards, mask, shift_mean=False)
+            rewards = masked_whiten(rewards, mask, shift_mean=False) if args.whiten_rewards else rewards
             advantages, returns = compute_gae(rewards, old_values, mask, args.gamma, args.lam)
             advantages = masked_whiten(advantages, mask)  # [N policy #9]
         else:  # groups need the rollout's order back. rloo folds the KL into the sequence reward
@@ -479,8 +467,7 @@ def main(args):
             advantages = advantages[:, None] * mask
         # (5) PPO epochs over shuffled minibatches, with gradient accumulation over micro-batches.
         t2 = time.time()
-        stats = torch.zeros(6, device=device)  # pg_loss, clipfrac, approxkl, vf_loss, vf_clipfrac, updates
-        ratio0 = None
+        stats, updates, ratio0 = torch.zeros(5, device=device), 0, None  # sums of pg_loss ... vf_clipfrac
         for ppo_epoch in range(args.ppo_epochs):
             perm = torch.arange(len(order)) if ppo_epoch == 0 else torch.randperm(len(order))
             for b in range(0, len(order), mb_rank):
@@ -496,18 +483,17 @@ def main(args):
                         pg_loss = pg_loss + kl_coef * kl_loss(logprobs, ref_logprobs[r], mask[r], n_tok)
                     (pg_loss * world).backward()  # FSDP averages over ranks; n_tok already counts all ranks
                     ratio0 = ((ratio - 1).abs() * mask[r]).max().item() if ratio0 is None else ratio0
-                    vf = [torch.zeros(()), torch.zeros(())]
+                    vf = (torch.zeros(()), torch.zeros(()))
                     if use_critic:
-                        values = critic(input_ids=ids[r], attention_mask=attn[r], position_ids=pos[r]).logits[:, P - 1:-1, 0]
-                        vf = value_loss(values.float(), old_values[r], returns[r], mask[r], args.cliprange_value, n_tok)
+                        vf = value_loss(values_of(critic, ids[r], attn[r], pos[r], P), old_values[r], returns[r], mask[r],
+                                        args.cliprange_value, n_tok)
                         (vf[0] * world).backward()
-                    stats += torch.stack([pg_loss.detach(), clipfrac, approxkl.detach(), vf[0].detach().to(device),
-                                          vf[1].to(device), torch.zeros((), device=device)])
+                    stats += torch.stack([pg_loss.detach(), clipfrac, approxkl.detach(), *(x.detach().to(device) for x in vf)])
                 for model, optim in roles.values():
                     torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     optim.step()
                     optim.zero_grad(set_to_none=True)
-                stats[5] += 1
+                updates += 1
         for s in scheds.values():
             s.step()
         # (6) Push the new actor weights into the engine.
@@ -515,35 +501,29 @@ def main(args):
         rollout.sync_weights(engine, actor)
         t4 = time.time()
 
-        # Logging: one all_reduce of every per-rank sum (means over all ranks' responses and tokens).
-        totals = torch.stack([raw.sum(), torch.tensor(float(sum(gen.finished))), torch.tensor(float(len(raw))), (kl.sum().cpu()),
-                              (-old_logprobs * mask).sum().cpu(), mask.sum().cpu()]).to(device)
-        dist.all_reduce(totals)
-        dist.all_reduce(stats)
-        n_resp, n_tokens = totals[2].item(), totals[5].item()
-        upd = stats[5].item() / world  # losses were normalised by global token counts: sums over ranks
-        metrics = {"objective/score": totals[0].item() / n_resp, "objective/kl": totals[3].item() / n_resp,
-                   "objective/entropy": totals[4].item() / n_tokens, "objective/kl_coef": kl_coef,
-                   "objective/no_eos_frac": 1 - totals[1].item() / n_resp, "objective/response_len": n_tokens / n_resp,
-                   "policy/pg_loss": stats[0].item() / upd, "policy/clipfrac": stats[1].item() / upd,
-                   "policy/approxkl": stats[2].item() / upd, "policy/first_ratio_dev": ratio0,
-                   "val/loss": stats[3].item() / upd, "val/clipfrac": stats[4].item() / upd,
+        # Logging: one all_reduce of every per-rank sum. The losses were normalised by global token
+        # counts, so their sums over ranks are the minibatch values; divide by the update count.
+        sums = torch.cat([stats / updates, torch.tensor([raw.sum().item(), float(sum(gen.finished)), len(raw),
+                          kl.sum().item(), (-old_logprobs * mask).sum().item(), mask.sum().item()], device=device)])
+        dist.all_reduce(sums)
+        (pg, cf, akl, vl, vcf, score, fin, n_resp, kl_sum, nll, n_tokens) = sums.tolist()
+        metrics = {"objective/score": score / n_resp, "objective/kl": kl_sum / n_resp, "objective/entropy": nll / n_tokens,
+                   "objective/kl_coef": kl_coef, "objective/no_eos_frac": 1 - fin / n_resp,
+                   "objective/response_len": n_tokens / n_resp, "policy/pg_loss": pg, "policy/clipfrac": cf,
+                   "policy/approxkl": akl, "policy/first_ratio_dev": ratio0, "val/loss": vl, "val/clipfrac": vcf,
                    "time/rollout_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2, "time/sync_s": t4 - t3,
                    "train/epoch": epoch, "train/lr": scheds["actor"].get_last_lr()[0]}
         if args.target_kl > 0:
-            kl_coef = update_kl_coef(kl_coef, metrics["objective/kl"], args.target_kl, args.kl_horizon, n_resp)
-        hashes = [None] * world
-        dist.all_gather_object(hashes, rollout.hash_responses(gen.response_ids))  # for exact-resume checks
-        metrics["rollout/responses_sha"] = rollout.hash_responses(hashes)
+            kl_coef = update_kl_coef(kl_coef, metrics["objective/kl"], args.target_kl, n_resp)
+        metrics["rollout/responses_sha"] = rollout.hash_responses(gen.response_ids)  # rank 0's, to check resumes
         if held_out and (step == args.max_steps or (args.eval_every and step % args.eval_every == 0)):
             metrics["eval/accuracy"] = evaluate(engine, tok, held_out, scorer, args.max_new_tokens, device)
             print0(f"step {step}: held-out accuracy {metrics['eval/accuracy']:.3f}")
         log(metrics, step, args.out_dir)
-        if rank == 0 and args.log_samples_every and step % args.log_samples_every == 0:
+        if rank == 0 and "eval/accuracy" in metrics:  # a few rows to read, in samples.jsonl
             with open(os.path.join(args.out_dir, "samples.jsonl"), "a") as f:
-                for i in range(min(4, len(raw))):
-                    f.write(json.dumps({"step": step, "prompt": train[idx[i // n]][1], "score": raw[i].item(),
-                                        "response": tok.decode(gen.response_ids[i], skip_special_tokens=True)}) + "\n")
+                f.writelines(json.dumps({"step": step, "prompt": train[idx[i // n]][1], "score": raw[i].item(), "response":
+                             tok.decode(gen.response_ids[i], skip_special_tokens=True)}) + "\n" for i in range(min(4, len(raw))))
         pbar.update(1)
         pbar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
         if step % args.save_every == 0 or step in (args.max_steps, args.stop_at_step):
@@ -557,7 +537,6 @@ def main(args):
 
     if step == args.max_steps and rank == 0:  # the final actor as an HF folder
         checkpoint.export(os.path.join(args.out_dir, "checkpoints", f"step-{step:08d}"), os.path.join(args.out_dir, "hf"), "actor")
-        print0(f"exported {os.path.join(args.out_dir, 'hf')}")
     dist.barrier()  # every rank is done before the engine shuts down (vLLM's shutdown ends the group)
     engine.close()
     if dist.is_initialized():

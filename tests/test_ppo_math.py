@@ -88,9 +88,9 @@ def test_eos_penalty():
 
 
 def test_adaptive_kl_controller():
-    assert ppo.update_kl_coef(0.1, kl=12.0, target=6.0, horizon=1000, n_responses=100) == pytest.approx(0.1 * 1.02)
-    assert ppo.update_kl_coef(0.1, kl=6.6, target=6.0, horizon=1000, n_responses=100) == pytest.approx(0.1 * 1.01)
-    assert ppo.update_kl_coef(0.1, kl=0.0, target=6.0, horizon=1000, n_responses=100) == pytest.approx(0.1 * 0.98)
+    assert ppo.update_kl_coef(0.1, kl=12.0, target=6.0, n_responses=100, horizon=1000) == pytest.approx(0.1 * 1.02)
+    assert ppo.update_kl_coef(0.1, kl=6.6, target=6.0, n_responses=100, horizon=1000) == pytest.approx(0.1 * 1.01)
+    assert ppo.update_kl_coef(0.1, kl=0.0, target=6.0, n_responses=100, horizon=1000) == pytest.approx(0.1 * 0.98)
 
 
 def test_make_batch_layout():
