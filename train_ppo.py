@@ -32,7 +32,7 @@ class Args:
     """held-out prompts JSONL (default: the embedded task's held-out split; none with --data)"""
     out_dir: str = "runs/ppo"
     """checkpoints/, metrics.jsonl and the final hf/ export of the actor go here"""
-    max_steps: int = 200
+    max_steps: int = 150
     """PPO iterations (rollout + scoring + ppo_epochs of updates + weight sync)"""
     save_every: int = 50
     """save a full checkpoint every this many iterations (and at the end)"""
@@ -52,7 +52,7 @@ class Args:
     """responses per forward/backward on one rank; grad accumulation makes up the rest"""
     ppo_epochs: int = 2
     """passes over each iteration's rollouts, reshuffled every pass [N policy #7]"""
-    lr: float = 3e-4
+    lr: float = 1e-4
     """actor learning rate (AdamW, eps 1e-5 [N general #5], linear decay to 0)"""
     critic_lr: float = 1e-3
     """critic learning rate"""

@@ -25,9 +25,10 @@ def run(script, *args, nproc=2, check=True, timeout=600, env=None):
     return p
 
 
-def run_py(*args, check=False, timeout=300):
+def run_py(*args, check=False, timeout=300, env=None):
     """Plain `python args...` in the repo (one process; the scripts make their own 1-rank group)."""
-    return subprocess.run([PY, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return subprocess.run([PY, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env={**os.environ, **(env or {})})
 
 
 def kill_tree(pid, sig=9):

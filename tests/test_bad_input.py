@@ -39,3 +39,32 @@ def test_resume_with_changed_settings(tmp_path):
                "--resume", "latest", "--seed", 7)
     assert_one_line_error(p, "differing settings", "--seed 42 -> 7", "--train_batch_size 8 -> 16",
                           "--micro_batch_size 8 -> 4")
+
+
+REWARDS = '''
+def boom(prompt, response):
+    raise ValueError("no")
+
+def text(prompt, response):
+    return "x"
+'''
+
+
+@pytest.mark.parametrize("spec,needles", [
+    ("badreward:boom", ["--reward_fn badreward:boom raised ValueError('no')"]),
+    ("badreward:text", ["--reward_fn badreward:text returned 'x'", "expected a finite number"]),
+    ("nosuchmodule:f", ["--reward_fn nosuchmodule:f: expected module:function"]),
+])
+def test_ppo_bad_reward_fn(tmp_path, spec, needles):
+    (tmp_path / "badreward.py").write_text(REWARDS)
+    import task
+    task.ensure_tiny_model()
+    p = run_py("train_ppo.py", "--model", task.TINY_MODEL, "--out_dir", tmp_path / "out", "--rollout_engine", "hf",
+               "--reward_fn", spec, "--eval_samples", 4, "--max_steps", 1, env={"PYTHONPATH": str(tmp_path)})
+    assert_one_line_error(p, *needles)
+
+
+def test_ppo_batch_sizes(tmp_path):
+    p = run_py("train_ppo.py", "--out_dir", tmp_path, "--rollout_batch_size", 10, "--n_samples_per_prompt", 3,
+               "--train_batch_size", 4)
+    assert_one_line_error(p, "batch sizes do not divide", "--train_batch_size 4")
