@@ -406,10 +406,10 @@ def main(args):
         raise SystemExit(f"error: {args.data or 'embedded task'}: {len(train)} prompts, fewer than --rollout_batch_size")
 
     # The engine before the checkpoint: vLLM seeds the global RNGs while it starts.
-    engine = rollout.build_engine(args.rollout_engine, args.model, ctx, args.seed, tok.eos_token_id,
+    longest = max(len(ids) for ids, _ in train + held_out) + args.max_new_tokens  # sizes vLLM's KV cache
+    engine = rollout.build_engine(args.rollout_engine, args.model, longest, args.seed, tok.eos_token_id,
                                   args.gpu_memory_utilization, args.enforce_eager)
-    start, kl_coef = 0, args.kl_coef
-    path = checkpoint.resolve(args.out_dir, args.resume)
+    start, kl_coef, path = 0, args.kl_coef, checkpoint.resolve(args.out_dir, args.resume)
     if path:  # RNG restored last, inside load
         meta = checkpoint.load(path, roles, vars(args), must_match=["model", "data", "seed", "rollout_batch_size",
                                "n_samples_per_prompt", "train_batch_size", "micro_batch_size", "advantage_estimator",
