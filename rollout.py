@@ -60,7 +60,13 @@ class VLLMEngine:
     def __init__(self, model_path, max_model_len, seed, eos_token_id, gpu_memory_utilization, enforce_eager):
         from vllm import LLM
         self.eos, self.gpu = eos_token_id, torch.cuda.is_available()
+        for var, default in (("RANK", dist.get_rank()), ("LOCAL_RANK", 0), ("WORLD_SIZE", dist.get_world_size())):
+            os.environ.setdefault(var, str(default))  # plain `python` has no torchrun variables
         kw = dict(model=model_path, max_model_len=max_model_len, seed=seed,
+                  # torchrun's RANK/LOCAL_RANK decide the device (cuda:LOCAL_RANK); the default executor
+                  # would put every rank's engine on device 0. With tensor parallel 1, each rank's
+                  # engine is independent: vLLM gives it process groups of size 1.
+                  distributed_executor_backend="external_launcher",
                   skip_tokenizer_init=True,            # we pass token ids; the trainer owns the tokenizer
                   logprobs_mode="processed_logprobs")  # temperature applied, as PPO needs (not raw logits)
         if self.gpu:
