@@ -20,12 +20,13 @@ the actor itself; `logprobs_of` here is that computation, and the tests compare 
 """
 import os
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process (vllm_cpu.md)
+# Before vLLM is imported: the engine core runs in this process (in its own process, passing tensors
+# to reload_weights killed it), which also lets sync_weights hand vLLM a generator that runs collectives.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import dataclasses, hashlib
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 
