@@ -112,8 +112,9 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
     def close(self):
-        """Shut the engine down. Trap: vLLM's shutdown also destroys the trainer's default process
-        group (vllm 0.32 `cleanup_dist_env_and_memory`): call it last, after the final barrier."""
+        """Shut the engine down (vllm 0.32 has no public close: this is what the LLM's finalizer calls).
+        Trap: it also destroys the trainer's default process group (`cleanup_dist_env_and_memory`),
+        so call it last, after the final barrier."""
         self.llm.llm_engine.engine_core.shutdown()
 
 
