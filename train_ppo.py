@@ -106,7 +106,7 @@ def parse_args(cls):
             and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
     p = argparse.ArgumentParser(description=sys.modules[cls.__module__].__doc__.split("\n")[0])
     for f in dataclasses.fields(cls):
-        kind = (lambda s: s.lower() in ("1", "true", "yes")) if f.type is bool else f.type
+        kind = (lambda s: bool(("false", "true").index(s.lower()))) if f.type is bool else f.type  # strict
         p.add_argument(f"--{f.name}", type=kind, default=f.default, help=f"{docs[f.name]} (default: {f.default!r})")
     args = cls(**vars(p.parse_args()))
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and not args.resume:
