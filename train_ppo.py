@@ -117,14 +117,16 @@ def parse_args(cls):
 def init_distributed(seed):
     """One process group for all: NCCL on GPUs, gloo on CPUs; plain `python` gets a 1-rank group.
     Seeds every RNG per rank (dropout masks must differ across ranks); a resume restores them."""
-    single = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
+    store, rank, world = next(dist.rendezvous("env://")) if "RANK" in os.environ else (dist.HashStore(), 0, 1)
+    # torchrun restarts reuse its store; unprefixed, a new group read dead peers' addresses here (gloo)
+    kw = dict(store=dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/", store), rank=rank, world_size=world)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, **single)
+        dist.init_process_group("nccl", device_id=device, **kw)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", **single)
+        dist.init_process_group("gloo", **kw)
     rank = dist.get_rank()
     random.seed(seed + rank), np.random.seed(seed + rank), torch.manual_seed(seed + rank)
     return rank, dist.get_world_size(), device
@@ -155,10 +157,8 @@ def shard_model(model, device):
     """FSDP2: fully_shard every transformer block (HF names them in _no_split_modules), then the root.
     bf16 compute with fp32 gradient reduction and fp32 master weights on GPU; plain fp32 on CPU."""
     mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
-    blocks = set(getattr(model, "_no_split_modules", None) or [])
-    for m in model.modules():
-        if type(m).__name__ in blocks:
-            fully_shard(m, mp_policy=mp)
+    for block in [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or [])]:
+        fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
 
