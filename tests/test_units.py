@@ -127,3 +127,12 @@ def test_verify_names_the_bad_file(tmp_path):
         checkpoint.verify(str(tmp_path))
     with pytest.raises(checkpoint.CheckpointError, match=r"manifest.json: missing"):
         checkpoint.verify(REPO)
+
+
+def test_encode_prompt_uses_the_chat_template_when_there_is_one():
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
+    assert train_sft.encode_prompt(tok, "1+2=") == tok("1+2=").input_ids  # no template: the raw prompt
+    tok.chat_template = "{% for m in messages %}U:{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+    ids = train_sft.encode_prompt(tok, "1+2=")
+    assert tok.decode(ids, skip_special_tokens=True) == "U:1+2=A:"
