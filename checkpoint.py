@@ -1,22 +1,17 @@
 """Atomic, rank-coordinated, full-state checkpoints: the only code that touches training state on disk.
 
-`<out_dir>/checkpoints/step-00000012/`: dcp/ (every role's model and optimizer, sharded, by DCP),
-rng-rank<R>.json (rank R's python/numpy/torch/CUDA RNG: DCP would merge per-rank values), meta.json
-(counters, LR schedule, algorithm state, args), hf/ (config, tokenizer), manifest.json (size + sha256
-of every file). All ranks write `.tmp-step-N/`; after a barrier rank 0 writes the manifest, fsyncs,
-renames it to `step-N/`, then os.replace()s `latest`: a kill at any instant leaves the old or the new
-checkpoint as latest, never a half one. Plain `dcp.load` unpickles `.metadata` and non-tensor entries
-(a crafted checkpoint runs code): here an allow-listing unpickler and weights_only=True read them.
-
-    python checkpoint.py ls OUT_DIR | verify CKPT | export CKPT OUT [--role NAME]
+All ranks write `.tmp-step-N/` (async_save: in the background); once all have succeeded, rank 0 writes a
+sha256 manifest, fsyncs, renames it `step-N/`, os.replace()s `latest`: a kill or a failed write leaves the
+previous checkpoint latest. README, "Checkpoints". CLI: verify CKPT [CKPT...] | export CKPT OUT [--role R]
 """
-import base64, hashlib, json, os, pickle, random, shutil, sys, warnings
+import base64, hashlib, json, os, pickle, random, shutil, sys, time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -27,11 +22,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is missing, damaged, unsafe or from another run; the message says which."""
 
 
-_ALLOWED = {  # every global the .metadata pickle of DCP (torch 2.13) refers to, and nothing more
-    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "StorageMeta", "MetadataIndex",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"}, "torch.serialization": {"_get_layout"},
-    "torch": {"Size"}, "pathlib": {"PosixPath"}}
+_ALLOWED = {"torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "StorageMeta", "MetadataIndex",
+    "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING"}, "pathlib": {"PosixPath"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"}, "torch.serialization": {"_get_layout"}, "torch": {"Size"}}
+# ^ every global the .metadata pickle of DCP (torch 2.13) refers to, and nothing more
 
 
 class _SafeUnpickler(pickle.Unpickler):
@@ -43,14 +37,12 @@ class _SafeUnpickler(pickle.Unpickler):
 
 class _SafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args, **kwargs):  # FileSystemReader's own is a plain pickle.load
-        with open(os.path.join(self.path, ".metadata"), "rb") as f:
-            return _SafeUnpickler(f).load()
+        return _SafeUnpickler(open(os.path.join(self.path, ".metadata"), "rb")).load()
 
 
 class _SafePlanner(DefaultLoadPlanner):  # assumes flatten_state_dict=True, the default
     def load_bytes(self, read_item, value):  # DefaultLoadPlanner's own: torch.load(weights_only=False)
-        set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
-                    torch.load(value, weights_only=True))
+        set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], torch.load(value, weights_only=True))
 
 
 def dcp_load(state, path, no_dist=False):  # dcp.load, minus its two unpickling holes
@@ -77,25 +69,20 @@ def set_rng_state(s):
         torch.cuda.set_rng_state(unb64(s["cuda"]))
 
 
-def _write(path, text):  # durable: the data is on disk when this returns
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path):  # makes renames and new files in `path` durable
+def _durable(path, text=None):  # write text (if any) to path, then fsync it: a file's data, a dir's entries
+    if text is not None:
+        with open(path, "w") as f:
+            f.write(text)
     fd = os.open(path, os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)
 
 
-def _manifest_files(root):  # {relative path: {size, sha256}} of every file below root
+def _manifest_files(root):  # {relative path: {size, sha256}} of every file below root but the manifest
     files = {}
-    for rel in sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs):
+    for rel in sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs if f != "manifest.json"):
         with open(os.path.join(root, rel), "rb") as f:
             files[rel] = {"size": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
-    files.pop("manifest.json", None)
     return files
 
 
@@ -107,60 +94,109 @@ def _step_dirs(root):  # (committed checkpoints, newest first; the `latest` poin
 
 def verify(path):
     """Return the manifest, or raise CheckpointError naming the file that is missing, cut or altered."""
-    mpath = os.path.join(path, "manifest.json")
-    if not os.path.isfile(mpath):
-        raise CheckpointError(f"{mpath}: missing (not a checkpoint, or an unfinished one)")
     try:
-        manifest, files = (m := json.load(open(mpath))), m["files"].items()
-    except (ValueError, KeyError, AttributeError) as e:
-        raise CheckpointError(f"{mpath}: unreadable ({e!r})")
-    actual = _manifest_files(path)
-    for rel, want in files:
-        if (got := actual.get(rel)) != want:
-            raise CheckpointError(f"{os.path.join(path, rel)}: " + ("missing" if got is None else
-                f"size {got['size']}, manifest says {want['size']}" if got["size"] != want["size"]
-                else "checksum mismatch (file altered or corrupted)"))
+        manifest = json.load(open(mpath := os.path.join(path, "manifest.json")))
+        files, actual = manifest["files"].items(), _manifest_files(path)
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        raise CheckpointError(f"{mpath}: missing or unreadable (not a checkpoint, or an unfinished one: {e!r})")
+    for rel, want, got in [(rel, want, actual.get(rel)) for rel, want in files if actual.get(rel) != want][:1]:
+        raise CheckpointError(f"{os.path.join(path, rel)}: " + ("missing" if got is None else f"size {got['size']}, "
+                              f"manifest says {want['size']}" if got["size"] != want["size"] else "checksum mismatch"))
     return manifest
 
 
-def save(out_dir, step, roles, meta, config, tokenizer, generation_config, keep_last):
-    """Collective: every rank calls it. roles = {name: (model, optimizer)}; meta must be JSON."""
-    root, name = os.path.join(out_dir, "checkpoints"), f"step-{step:08d}"
-    tmp, final = os.path.join(root, f".tmp-{name}"), os.path.join(root, name)
-    if (rank := dist.get_rank()) == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a save that was killed
-        os.makedirs(tmp)
-    dist.barrier()  # the empty temp dir exists before anyone writes into it
-    dcp.save(_state(roles), storage_writer=dcp.FileSystemWriter(os.path.join(tmp, "dcp")))
-    _write(os.path.join(tmp, f"rng-rank{rank}.json"), json.dumps(rng_state()))
-    if rank == 0:
-        _write(os.path.join(tmp, "meta.json"), json.dumps({"format_version": FORMAT_VERSION, "step": step,
-               "world_size": dist.get_world_size(), "roles": list(roles), **meta}, indent=1))
-        for obj in (config, tokenizer, generation_config):
-            obj.save_pretrained(os.path.join(tmp, "hf"))
-    dist.barrier()  # every rank's files are on disk before rank 0 checksums and commits them
-    if rank == 0:
-        _write(os.path.join(tmp, "manifest.json"), json.dumps({"step": step, "files": _manifest_files(tmp)}))
+_pending, _last_save, _async_group = [], [time.monotonic()], []  # [the save in flight (async_save)]
+
+
+def _agree(fn, tmp, on_error):
+    """Collective: run fn, learn every rank's outcome; on a failure anywhere remove the temp dir and raise
+    on every rank (a rank going on alone would hang), or with on_error "warn" return False."""
+    err = None
+    try:
+        fn()
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is no Exception
+        e = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
+        err = f"rank {dist.get_rank()}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    dist.all_gather_object(errs := [None] * dist.get_world_size(), err)  # so all ranks take the same branch
+    if bad := "; ".join(e for e in errs if e):
+        shutil.rmtree(tmp, ignore_errors=True)
+        msg = f"{os.path.basename(tmp)[5:]} not saved ({bad}); the previous checkpoint is intact and latest"
+        if on_error != "warn":
+            raise CheckpointError(msg)
+        if dist.get_rank() == 0:
+            print(f"WARNING: {msg}; training goes on (--on_save_error warn)", flush=True)
+    return not bad
+
+
+def save(out_dir, step, roles, meta, hf_objs, keep_last, async_save=False, on_error="stop"):
+    """Collective. roles = {name: (model, optimizer)}; meta: JSON; hf_objs go to hf/. async_save: a thread
+    writes a copy of the state as training goes on; boundary() commits it. Returns the committed path."""
+    commit()  # one save in flight at a time
+    root, name, rank, future = os.path.join(out_dir, "checkpoints"), f"step-{step:08d}", dist.get_rank(), []
+    tmp, _last_save[0] = os.path.join(root, f".tmp-{name}"), time.monotonic()
+    if async_save and not _async_group:  # DCP's thread runs collectives of its own: on a group of its own
+        _async_group.append(dist.new_group(backend="gloo"))
+
+    def write():  # DCP raises on every rank when it fails on one; the small files can fail on one only
+        os.makedirs(tmp, exist_ok=True)  # empty: resolve() and _agree() remove what failed saves left
+        state, writer = _state(roles), dcp.FileSystemWriter(os.path.join(tmp, "dcp"))
+        future.append(dcp.async_save(state, storage_writer=writer, process_group=_async_group[0]) if async_save
+                      else dcp.save(state, storage_writer=writer))
+        _durable(os.path.join(tmp, f"rng-rank{rank}.json"), json.dumps(rng_state()))
+        if rank == 0:
+            _durable(os.path.join(tmp, "meta.json"), json.dumps({"format_version": FORMAT_VERSION, "step": step,
+                   "world_size": dist.get_world_size(), "roles": list(roles), **meta}, indent=1))
+            for obj in hf_objs:
+                obj.save_pretrained(os.path.join(tmp, "hf"))
+    if _agree(write, tmp, on_error):
+        _pending.append((future[0] if async_save else None, root, name, step, keep_last, on_error))
+        return None if async_save else commit()
+
+
+def commit():
+    """Collective: once the save in flight is on disk on every rank, rank 0 publishes it."""
+    if not _pending:  # nothing in flight
+        return None
+    future, root, name, step, keep_last, on_error = _pending.pop()
+    tmp, final, rank = os.path.join(root, f".tmp-{name}"), os.path.join(root, name), dist.get_rank()
+
+    def publish():
+        _durable(os.path.join(tmp, "manifest.json"), json.dumps({"step": step, "files": _manifest_files(tmp)}))
         for d, _, _ in os.walk(tmp):
-            _fsync_dir(d)
-        if os.path.exists(final):  # an older save of this step, by a run resumed before it: replace it
-            shutil.rmtree(final)
+            _durable(d)
+        shutil.rmtree(final, ignore_errors=True)  # a save of this step by a run later resumed from before it
         os.rename(tmp, final)
-        _fsync_dir(root)
-        _write(os.path.join(root, "latest.tmp"), name + "\n")
-        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
-        _fsync_dir(root)
-        # Prune only now that the new one is committed (keep_last 0 keeps all); newer steps, left by a
-        # run that was then resumed from an earlier checkpoint, are not ours to delete.
-        for n in [n for n in _step_dirs(root)[0] if int(n[5:]) < step][keep_last - 1:] if keep_last > 0 else []:
-            shutil.rmtree(os.path.join(root, n))
-    dist.barrier()  # nobody runs ahead (and maybe saves again) before the commit is done
+        _durable(root)  # the rename is on disk before `latest` may point at it
+        _durable(os.path.join(root, "latest.tmp"), name + "\n")
+        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))  # atomic; then durable:
+        _durable(root)
+    if not (_agree(future.result if future else lambda: None, tmp, on_error)  # all ranks' shards written,
+            and _agree(publish if rank == 0 else lambda: None, tmp, on_error)):  # then rank 0 commits
+        return None
+    # Prune now that the new one is committed (keep_last 0: keep all); newer ones are an abandoned branch
+    for n in [n for n in _step_dirs(root)[0] if int(n[5:]) < step][keep_last - 1:] if keep_last and rank == 0 else []:
+        shutil.rmtree(os.path.join(root, n), ignore_errors=True)
     return final
+
+
+def boundary(step, every, minutes, signalled, device):
+    """Collective, at every step's end: (save now?, stop now?) for all ranks, from a signal on any rank,
+    rank 0's clock (every `minutes`) or the step count. Commits a finished async save."""
+    busy = bool(_pending and _pending[0][0] and not _pending[0][0].done())
+    clock = dist.get_rank() == 0 and minutes > 0 and time.monotonic() - _last_save[0] >= 60 * minutes
+    flags = torch.tensor([signalled, clock, busy], dtype=torch.float32, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # one decision for all ranks: any rank's flag counts
+    stop, clock, busy = flags.bool().tolist()
+    if not busy:
+        commit()
+    return stop or clock or (every > 0 and step % every == 0), stop
 
 
 def resolve(out_dir, resume):
     """Collective: the checkpoint to resume from ('' = start fresh); rank 0 picks, every rank gets it."""
     choice, root = ["", None], os.path.join(out_dir, "checkpoints")
+    for n in [n for n in os.listdir(root) if n.startswith(".tmp-")] if dist.get_rank() == 0 and os.path.isdir(root) else []:
+        shutil.rmtree(os.path.join(root, n), ignore_errors=True)  # left by a killed save: never resumed from
     if dist.get_rank() == 0 and resume and resume != "latest":
         try:
             choice[0] = verify(resume) and resume  # --resume PATH: that one or a clear error
@@ -168,16 +204,12 @@ def resolve(out_dir, resume):
             choice[1] = str(e)
     elif dist.get_rank() == 0 and resume:
         names, top = _step_dirs(root)
-        if top in names:  # the pointer first, then older ones (newer ones are an abandoned branch)
-            names = [top] + [n for n in names if int(n[5:]) < int(top[5:])]
-        for n in names:
-            try:
+        for n in [top] + [n for n in names if int(n[5:]) < int(top[5:])] if top in names else names:
+            try:  # the `latest` pointer first, then older ones (newer ones are an abandoned branch)
                 choice[0] = verify(os.path.join(root, n)) and os.path.join(root, n)
                 break
             except CheckpointError as e:
                 print(f"WARNING: skipping checkpoint {n}: {e}; falling back to an older one", flush=True)
-        else:
-            print(f"--resume latest: no checkpoint in {root}; starting from scratch", flush=True)
     dist.broadcast_object_list(choice, src=0)  # all ranks load the very same checkpoint, or all fail
     if choice[1]:
         raise CheckpointError(choice[1])
@@ -185,66 +217,34 @@ def resolve(out_dir, resume):
 
 
 def load(path, roles, args, must_match):
-    """Collective. Loads every role's model and optimizer in place, then this rank's RNG; returns
-    meta.json. Call it after anything that draws from the RNG (building engines, iterators)."""
+    """Collective: every role's model and optimizer in place, then this rank's RNG (so call it after
+    anything that draws from the RNG: engines, iterators); returns meta.json."""
     meta = json.load(open(os.path.join(path, "meta.json")))
-    if meta["format_version"] != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format version {meta['format_version']}, expected {FORMAT_VERSION}")
     diff = [f"--{k} {meta['args'].get(k)!r} -> {args[k]!r}" for k in must_match if meta["args"].get(k) != args[k]]
+    diff += [f"format_version {meta['format_version']} -> {FORMAT_VERSION}"] if meta["format_version"] != FORMAT_VERSION else []
     if diff:
         raise CheckpointError(f"{path} was saved by a different run; differing settings: {', '.join(diff)}")
     dcp_load(state := _state(roles), os.path.join(path, "dcp"))
     for role, (model, optim) in roles.items():
         set_state_dict(model, optim, model_state_dict=state[role]["model"], optim_state_dict=state[role]["optim"])
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if meta["world_size"] == world:  # RNG is exact only at the same world size; else say so, reseed
-        set_rng_state(json.load(open(os.path.join(path, f"rng-rank{rank}.json"))))
-    else:
-        seed = meta["args"]["seed"] + 1000003 * (rank + 1) + meta["step"]
-        random.seed(seed), np.random.seed(seed % 2**32), torch.manual_seed(seed)
-        if rank == 0:
-            print(f"WARNING: resuming a {meta['world_size']}-rank checkpoint on {world} ranks: weights, optimizer "
-                  "and data position carry over, RNG streams cannot (reseeded)", flush=True)
+    set_rng_state(json.load(open(os.path.join(path, f"rng-rank{dist.get_rank() % meta['world_size']}.json"))))
+    if meta["world_size"] != dist.get_world_size() and dist.get_rank() == 0:  # exact only at the same size
+        print(f"WARNING: resuming a {meta['world_size']}-rank checkpoint on {dist.get_world_size()} ranks: weights, "
+              "optimizer and data position carry over, RNG streams cannot (reused round-robin)", flush=True)
     return meta
 
 
-def export(path, out, role=None):
-    """Checkpoint -> HF folder (safetensors, config, tokenizer), on one process: DCP's no_dist mode."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    verify(path)
-    roles, hf = json.load(open(os.path.join(path, "meta.json")))["roles"], os.path.join(path, "hf")
-    if (role := role or roles[0]) not in roles:
-        raise CheckpointError(f"--role {role}: checkpoint has roles {roles}")
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf))
-    warnings.filterwarnings("ignore", "torch.distributed is disabled")  # no_dist says so: we know
-    dcp_load({role: {"model": model.state_dict()}}, os.path.join(path, "dcp"), no_dist=True)  # in place
-    model.generation_config = GenerationConfig.from_pretrained(hf)
-    for obj in (model, AutoTokenizer.from_pretrained(hf)):
-        obj.save_pretrained(out)
-
-
-def main(argv):
+if __name__ == "__main__":
     try:
-        match argv:
-            case ["ls", out_dir]:
-                root = os.path.join(out_dir, "checkpoints")
-                names, top = _step_dirs(root)
-                for n in reversed(names):
-                    try:
-                        status = verify(os.path.join(root, n)) and "ok"
-                    except CheckpointError as err:
-                        status = f"BAD: {err}"
-                    print(f"{n}  step {int(n[5:])}  {status}{'  <- latest' if n == top else ''}")
-            case ["verify", ckpt]:
-                print(f"{ckpt}: ok, step {verify(ckpt)['step']}")
+        match sys.argv[1:]:
+            case ["verify", *ckpts] if ckpts:
+                for ckpt in ckpts:
+                    print(f"{ckpt}: ok, step {verify(ckpt)['step']}")
             case ["export", ckpt, out] | ["export", ckpt, out, "--role", _]:
-                export(ckpt, out, argv[4] if len(argv) == 5 else None)
+                import rollout  # the export lives with the other ways the actor leaves the trainer
+                rollout.export(ckpt, out, sys.argv[5] if len(sys.argv) == 6 else None)
                 print(f"exported {ckpt} -> {out}")
             case _:
-                sys.exit("usage: python checkpoint.py ls OUT_DIR | verify CKPT | export CKPT OUT [--role NAME]")
+                sys.exit("usage: python checkpoint.py verify CKPT [CKPT...] | export CKPT OUT [--role NAME]")
     except (CheckpointError, OSError) as err:
         sys.exit(f"error: {err}")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

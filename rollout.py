@@ -23,11 +23,13 @@ import os
 # Before vLLM is imported: the engine core runs in this process (in its own process, passing tensors
 # to reload_weights killed it), which also lets sync_weights hand vLLM a generator that runs collectives.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-import dataclasses, hashlib
+import dataclasses, hashlib, json, warnings
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+import checkpoint
 
 
 @dataclasses.dataclass
@@ -194,3 +196,29 @@ def logprobs_of(model, input_ids, attention_mask, temperature, position_ids=None
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, :-1].float()
     logp = (logits / max(temperature, 1e-7)).log_softmax(-1)
     return logp.gather(-1, input_ids[:, 1:, None])[..., 0]
+
+
+def make_batch(prompts, responses, pad_id, device="cpu"):
+    """Left-padded prompts then right-padded responses, so every response starts at column P:
+    ids, attention mask, position ids from the mask [N general #3] ([B, P+R]); response mask [B, R]."""
+    P, R = max(map(len, prompts)), max(map(len, responses))
+    rows = [([0] * (P - len(p)), p + r, [0] * (R - len(r))) for p, r in zip(prompts, responses)]
+    ids = torch.tensor([[pad_id] * len(a) + b + [pad_id] * len(c) for a, b, c in rows])
+    attn = torch.tensor([a + [1] * len(b) + c for a, b, c in rows])
+    return ids.to(device), attn.to(device), (attn.cumsum(1) - 1).clamp(min=0).to(device), attn[:, P:].float().to(device), P
+
+
+def export(path, out, role=None):
+    """A checkpoint's `role` model -> an HF folder (safetensors, config, tokenizer, generation config) that
+    transformers and vLLM load: for deployment, or the next stage. One process, DCP's no_dist mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    checkpoint.verify(path)
+    roles, hf = json.load(open(os.path.join(path, "meta.json")))["roles"], os.path.join(path, "hf")
+    if (role := role or roles[0]) not in roles:
+        raise checkpoint.CheckpointError(f"--role {role}: checkpoint has roles {roles}")
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf))
+    warnings.filterwarnings("ignore", "torch.distributed is disabled")  # no_dist says so: we know
+    checkpoint.dcp_load({role: {"model": model.state_dict()}}, os.path.join(path, "dcp"), no_dist=True)  # in place
+    model.generation_config = GenerationConfig.from_pretrained(hf)
+    for obj in (model, AutoTokenizer.from_pretrained(hf)):
+        obj.save_pretrained(out)

@@ -6,6 +6,9 @@ download. The task is verifiable, which gives PPO a rule reward (`reward_fn`, th
 
     python task.py make-assets   # (re)write assets/tiny-llama/{config,tokenizer}.json (committed)
 
+A user's data comes in the same shape: `load_jsonl` reads it, `encode_prompt` tokenizes a prompt (through
+the chat template when there is one), `batch_indices` fixes the order both scripts read it in.
+
 The tiny model's weights are not committed: `ensure_tiny_model()` initialises them from the committed
 config with a fixed seed the first time the default `--model` is used, and saves an ordinary HF
 folder, so it loads through `from_pretrained` exactly like a user's model.
@@ -14,6 +17,8 @@ import json
 import os
 import random
 import sys
+
+import torch
 
 TINY_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-llama")
 DIGITS = 2          # operands in [0, 10**DIGITS)
@@ -46,6 +51,41 @@ def reward_fn(prompt, response):
 # pad == eos the EOS gets masked out and the model never learns to stop.
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = [chr(c) for c in range(32, 127)]
+
+
+# ---- a user's data in the same shape, and its order --------------------------------------------
+def load_jsonl(path, fields):
+    """The rows of a JSONL file, each an object with string `fields`; errors name file and line."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: {path}: no such file")
+    rows = []
+    for n, line in enumerate(open(path), 1):
+        try:
+            rows += [json.loads(line)] if line.strip() else []
+        except ValueError as e:
+            raise SystemExit(f"error: {path}:{n}: not valid JSON ({e})")
+        for k in fields if line.strip() else []:
+            if not isinstance(rows[-1], dict) or not isinstance(rows[-1].get(k), str):
+                raise SystemExit(f"error: {path}:{n}: expected a string field {k!r}")
+    if not rows:
+        raise SystemExit(f"error: {path}: no examples")
+    return rows
+
+
+def encode_prompt(tok, prompt):
+    """Token ids of a prompt: the chat template's user turn when the tokenizer has one."""
+    if tok.chat_template:
+        return tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)["input_ids"]
+    return tok(prompt).input_ids
+
+
+def batch_indices(step, n, batch_size, seed):
+    """Global example indices of optimizer step `step`: a pure function of (seed, step), so resuming at
+    any step (or on another world size) lands on exactly the same data; no sampler state to lose."""
+    per_epoch = n // batch_size  # the incomplete last batch of an epoch is dropped
+    epoch, i = divmod(step, per_epoch)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    return perm[i * batch_size:(i + 1) * batch_size].tolist(), epoch
 
 
 def make_assets(path=TINY_MODEL):

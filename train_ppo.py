@@ -7,7 +7,7 @@ baselines over each prompt's samples (Shao et al. 2024, DeepSeekMath; Ahmadian e
 
     torchrun --nproc_per_node=2 train_ppo.py --model runs/sft/hf --out_dir runs/ppo [--resume latest]
 """
-import argparse, ast, dataclasses, importlib, inspect, json, math, os, random, sys, time
+import argparse, ast, dataclasses, datetime, importlib, inspect, json, math, os, random, signal, sys, time, traceback, typing
 
 import numpy as np
 import torch
@@ -94,6 +94,14 @@ class Args:
     """greedy-decode the held-out prompts (and log sample rows) every this many iterations, and at the ends"""
     eval_samples: int = 256
     """held-out prompts per evaluation"""
+    save_every_minutes: float = 0.0
+    """also save when this many minutes of wall time have passed since the last save (0: off)"""
+    async_save: bool = False
+    """write checkpoints in a background thread while training goes on (published once complete)"""
+    on_save_error: typing.Literal["stop", "warn"] = "stop"
+    """a failed save (disk full, I/O error) stops the run, or warns and trains on; the last good one stays latest"""
+    timeout_minutes: float = 30.0
+    """a collective waiting longer than this (a peer dead or stuck) fails with an error, not a hang"""
     stop_at_step: int = 0
     """save and exit after this iteration, as a preempted run would (for testing resume); 0: never"""
 
@@ -107,19 +115,22 @@ def parse_args(cls):
     p = argparse.ArgumentParser(description=sys.modules[cls.__module__].__doc__.split("\n")[0])
     for f in dataclasses.fields(cls):
         kind = (lambda s: bool(("false", "true").index(s.lower()))) if f.type is bool else f.type  # strict
-        p.add_argument(f"--{f.name}", type=kind, default=f.default, help=f"{docs[f.name]} (default: {f.default!r})")
+        p.add_argument(f"--{f.name}", type=str if typing.get_args(f.type) else kind, choices=typing.get_args(f.type)
+                       or None, default=f.default, help=f"{docs[f.name]} (default: {f.default!r})")
     args = cls(**vars(p.parse_args()))
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and not args.resume:
         args.resume = "latest"  # torchrun --max-restarts restarted the group: carry on where it stopped
     return args
 
 
-def init_distributed(seed):
+def init_distributed(seed, timeout_minutes=30.0):
     """One process group for all: NCCL on GPUs, gloo on CPUs; plain `python` gets a 1-rank group.
-    Seeds every RNG per rank (dropout masks must differ across ranks); a resume restores them."""
+    Seeds every RNG per rank (dropout masks must differ across ranks); a resume restores them.
+    Collectives fail after timeout_minutes (a peer dead or stuck), where they would hang forever."""
     store, rank, world = next(dist.rendezvous("env://")) if "RANK" in os.environ else (dist.HashStore(), 0, 1)
     # torchrun restarts reuse its store; unprefixed, a new group read dead peers' addresses here (gloo)
-    kw = dict(store=dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/", store), rank=rank, world_size=world)
+    kw = dict(store=dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/", store), rank=rank,
+              world_size=world, timeout=datetime.timedelta(minutes=timeout_minutes))
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -129,7 +140,17 @@ def init_distributed(seed):
         dist.init_process_group("gloo", **kw)
     rank = dist.get_rank()
     random.seed(seed + rank), np.random.seed(seed + rank), torch.manual_seed(seed + rank)
+    watch_signals()
     return rank, dist.get_world_size(), device
+
+
+SIGNALS = []  # SIGTERM/SIGUSR1 received: the step ends with a checkpoint, then the run exits 0
+
+
+def watch_signals():
+    """Schedulers send SIGTERM before a kill (SLURM: --signal=USR1@secs earlier): note it, finish the step."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, lambda num, frame: SIGNALS.append(num))
 
 
 def print0(*a):
@@ -148,7 +169,7 @@ def truncate_log(out_dir, step):
     """A resumed run redoes the steps its predecessor logged after the checkpoint: drop those lines."""
     path = os.path.join(out_dir, "metrics.jsonl")
     if dist.get_rank() == 0 and os.path.exists(path):
-        rows = [r for r in open(path) if json.loads(r)["step"] <= step]
+        rows = [r for r in open(path) if r.endswith("}\n") and json.loads(r)["step"] <= step]  # (a kill cuts lines)
         with open(path, "w") as f:
             f.writelines(rows)
 
@@ -176,38 +197,21 @@ def load_model_and_tokenizer(path, cls, **kw):
     return model, tok
 
 
-def load_jsonl(path, fields):
-    """The rows of a JSONL file, each an object with string `fields`; errors name file and line."""
-    if not os.path.isfile(path):
-        raise SystemExit(f"error: {path}: no such file")
-    rows = []
-    for n, line in enumerate(open(path), 1):
-        try:
-            rows += [json.loads(line)] if line.strip() else []
-        except ValueError as e:
-            raise SystemExit(f"error: {path}:{n}: not valid JSON ({e})")
-        for k in fields if line.strip() else []:
-            if not isinstance(rows[-1], dict) or not isinstance(rows[-1].get(k), str):
-                raise SystemExit(f"error: {path}:{n}: expected a string field {k!r}")
-    if not rows:
-        raise SystemExit(f"error: {path}: no examples")
-    return rows
-
-
-def encode_prompt(tok, prompt):
-    """Token ids of a prompt: the chat template's user turn when the tokenizer has one."""
-    if tok.chat_template:
-        return tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)["input_ids"]
-    return tok(prompt).input_ids
-
-
-def batch_indices(step, n, batch_size, seed):
-    """Global example indices of optimizer step `step`: a pure function of (seed, step), so resuming at
-    any step (or on another world size) lands on exactly the same data; no sampler state to lose."""
-    per_epoch = n // batch_size  # the incomplete last batch of an epoch is dropped
-    epoch, i = divmod(step, per_epoch)
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-    return perm[i * batch_size:(i + 1) * batch_size].tolist(), epoch
+def run(main, cls):
+    """main(parse_args(cls)); a bad checkpoint or a failed collective ends in one line naming them."""
+    try:
+        main(parse_args(cls))
+    except checkpoint.CheckpointError as e:
+        raise SystemExit(f"error: {e}")
+    except (RuntimeError, dist.DistError) as e:  # gloo/NCCL failures name neither the op nor the rank
+        frames = traceback.extract_tb(e.__traceback__)
+        op = [f for f in frames if f"torch{os.sep}distributed" in f.filename]
+        if not op or not isinstance(e, dist.DistError) and not any(s in str(e) for s in ("gloo", "NCCL", "Timed out")):
+            raise
+        ours = [f for f in frames if f.filename.startswith(os.path.dirname(os.path.abspath(__file__)))][-1]
+        raise SystemExit(f"error: rank {os.environ.get('RANK', 0)}: collective {op[-1].name} called at "
+                         f"{os.path.basename(ours.filename)}:{ours.lineno} failed: {str(e).splitlines()[0]} "
+                         "(a peer died or hung; --timeout_minutes sets how long to wait)")
 # ==== end shared boilerplate ====
 
 
@@ -304,16 +308,6 @@ def update_kl_coef(kl_coef, kl, target, n_responses, horizon=10000):
 
 
 # ---- plumbing for one iteration ------------------------------------------------------------------
-def make_batch(prompts, responses, pad_id, device="cpu"):
-    """Left-padded prompts then right-padded responses, so every response starts at column P:
-    ids, attention mask, position ids from the mask [N general #3] ([B, P+R]); response mask [B, R]."""
-    P, R = max(map(len, prompts)), max(map(len, responses))
-    rows = [([0] * (P - len(p)), p + r, [0] * (R - len(r))) for p, r in zip(prompts, responses)]
-    ids = torch.tensor([[pad_id] * len(a) + b + [pad_id] * len(c) for a, b, c in rows])
-    attn = torch.tensor([a + [1] * len(b) + c for a, b, c in rows])
-    return ids.to(device), attn.to(device), (attn.cumsum(1) - 1).clamp(min=0).to(device), attn[:, P:].float().to(device), P
-
-
 def values_of(critic, ids, attn, pos, P):
     """V(s_t) for every response token: the critic's output at the position before it. [B, R]"""
     return critic(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, P - 1:-1, 0].float()
@@ -351,7 +345,7 @@ def evaluate(engine, tok, items, scorer, max_new_tokens, device):
 
 
 def main(args):
-    rank, world, device = init_distributed(args.seed)
+    rank, world, device = init_distributed(args.seed, args.timeout_minutes)
     os.makedirs(args.out_dir, exist_ok=True)
     n, per_rank, mb_rank = args.n_samples_per_prompt, args.rollout_batch_size // world, args.train_batch_size // world
     if (args.rollout_batch_size % world or args.train_batch_size % (world * args.micro_batch_size)
@@ -385,22 +379,22 @@ def main(args):
     def scorer(p_ids, p_texts, responses):  # raw scores [N]; collective with a reward model
         if not args.reward_model:
             return rule_scores(args.reward_fn, p_texts, tok.batch_decode(responses, skip_special_tokens=True))
-        ids, attn, pos, _, _ = make_batch(p_ids, responses, tok.pad_token_id, device)
+        ids, attn, pos, _, _ = rollout.make_batch(p_ids, responses, tok.pad_token_id, device)
         with torch.no_grad():  # HF reads the score at the last non-pad token: EOS or the last one [N RM #1]
             return torch.cat([rm(input_ids=ids[c], attention_mask=attn[c], position_ids=pos[c]).logits[:, 0].float().cpu()
                               for c in torch.arange(len(ids)).split(args.micro_batch_size)])
 
     ctx = actor.config.max_position_embeddings
     def prompt_items(rows, src):  # [(token ids, text)]
-        items = [(encode_prompt(tok, r["prompt"]), r["prompt"]) for r in rows]
+        items = [(task.encode_prompt(tok, r["prompt"]), r["prompt"]) for r in rows]
         for i, (ids, _) in enumerate(items):
             if len(ids) + args.max_new_tokens > ctx:
                 raise SystemExit(f"error: {src}:{i + 1}: prompt of {len(ids)} tokens + --max_new_tokens "
                                  f"{args.max_new_tokens} exceeds the model's context ({ctx})")
         return items
-    train = prompt_items(load_jsonl(args.data, ("prompt",)) if args.data else task.make_split("train"),
+    train = prompt_items(task.load_jsonl(args.data, ("prompt",)) if args.data else task.make_split("train"),
                          args.data or "embedded task")
-    held_out = prompt_items((load_jsonl(args.eval_data, ("prompt",)) if args.eval_data else [] if args.data
+    held_out = prompt_items((task.load_jsonl(args.eval_data, ("prompt",)) if args.eval_data else [] if args.data
                              else task.make_split("test"))[:args.eval_samples], args.eval_data or "embedded task")
     if len(train) < args.rollout_batch_size:
         raise SystemExit(f"error: {args.data or 'embedded task'}: {len(train)} prompts, fewer than --rollout_batch_size")
@@ -429,7 +423,7 @@ def main(args):
     for step in range(start + 1, args.max_steps + 1):
         # (1) Rollout: this rank's share of the step's prompts, n samples each, seeded per prompt.
         t0 = time.time()
-        idx, epoch = batch_indices(step - 1, len(train), args.rollout_batch_size, args.seed)
+        idx, epoch = task.batch_indices(step - 1, len(train), args.rollout_batch_size, args.seed)
         mine = range(rank * per_rank, (rank + 1) * per_rank)  # positions in the global batch
         gen = engine.generate([train[idx[j]][0] for j in mine], n, args.max_new_tokens, args.temperature, 1.0,
                               [rollout.prompt_seed(args.seed, step, j) for j in mine])
@@ -442,7 +436,7 @@ def main(args):
         # (3) Old logprobs, reference logprobs and values, with the training models, in a random
         # order that the first PPO epoch keeps: its first micro-batch then sees ratio == 1 exactly.
         order = torch.randperm(len(p_ids))
-        ids, attn, pos, mask, P = make_batch([p_ids[i] for i in order], [gen.response_ids[i] for i in order],
+        ids, attn, pos, mask, P = rollout.make_batch([p_ids[i] for i in order], [gen.response_ids[i] for i in order],
                                              tok.pad_token_id, device)
         chunks = [slice(i, i + args.micro_batch_size) for i in range(0, len(order), args.micro_batch_size)]
 
@@ -526,17 +520,19 @@ def main(args):
                              tok.decode(gen.response_ids[i], skip_special_tokens=True)}) + "\n" for i in range(min(4, len(raw))))
         pbar.update(1)
         pbar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
-        if step % args.save_every == 0 or step in (args.max_steps, args.stop_at_step):
+        save, stop = checkpoint.boundary(step, args.save_every, args.save_every_minutes, bool(SIGNALS), device)
+        if save or (last := stop or step in (args.max_steps, args.stop_at_step)):  # last: blocking, we exit next
             meta = {"scheduler": {k: s.state_dict() for k, s in scheds.items()}, "kl_coef": kl_coef, "epoch": epoch,
                     "consumed_prompts": step * args.rollout_batch_size, "args": vars(args)}
-            checkpoint.save(args.out_dir, step, roles, meta, actor.config, tok, actor.generation_config, args.keep_last)
-        if step == args.stop_at_step:
-            print0(f"stopping after step {step} (--stop_at_step)")
+            path = checkpoint.save(args.out_dir, step, roles, meta, (actor.config, tok, actor.generation_config),
+                                   args.keep_last, args.async_save and not last, args.on_save_error)
+        if stop or step == args.stop_at_step:
+            print0(f"stopping after step {step} ({'signal' if stop else '--stop_at_step'}); go on with --resume latest")
             break
     pbar.close()
 
-    if step == args.max_steps and rank == 0:  # the final actor as an HF folder
-        checkpoint.export(os.path.join(args.out_dir, "checkpoints", f"step-{step:08d}"), os.path.join(args.out_dir, "hf"), "actor")
+    if step == args.max_steps and path and rank == 0:  # the final actor as an HF folder
+        rollout.export(path, os.path.join(args.out_dir, "hf"), "actor")
     dist.barrier()  # every rank is done before the engine shuts down (vLLM's shutdown ends the group)
     engine.close()
     if dist.is_initialized():
@@ -544,7 +540,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    try:
-        main(parse_args(Args))
-    except checkpoint.CheckpointError as e:
-        raise SystemExit(f"error: {e}")
+    run(main, Args)

@@ -7,7 +7,7 @@ layer, then the root) on one code path for gloo/CPU and NCCL/GPU; checkpoints re
     torchrun --nproc_per_node=2 train_sft.py --out_dir runs/sft [--resume latest]   # embedded task
     torchrun --nproc_per_node=8 train_sft.py --model Qwen/Qwen2.5-0.5B --data my.jsonl
 """
-import argparse, ast, dataclasses, inspect, json, os, random, sys, time
+import argparse, ast, dataclasses, datetime, inspect, json, os, random, signal, sys, time, traceback, typing
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 
 import checkpoint
+import rollout
 import task
 
 
@@ -55,6 +56,14 @@ class Args:
     """greedy-decode the held-out set every this many steps (0: only at the end)"""
     eval_samples: int = 256
     """held-out examples per evaluation"""
+    save_every_minutes: float = 0.0
+    """also save when this many minutes of wall time have passed since the last save (0: off)"""
+    async_save: bool = False
+    """write checkpoints in a background thread while training goes on (published once complete)"""
+    on_save_error: typing.Literal["stop", "warn"] = "stop"
+    """a failed save (disk full, I/O error) stops the run, or warns and trains on; the last good one stays latest"""
+    timeout_minutes: float = 30.0
+    """a collective waiting longer than this (a peer dead or stuck) fails with an error, not a hang"""
     stop_at_step: int = 0
     """save and exit after this step, as a preempted run would (for testing resume); 0: never"""
 
@@ -68,19 +77,22 @@ def parse_args(cls):
     p = argparse.ArgumentParser(description=sys.modules[cls.__module__].__doc__.split("\n")[0])
     for f in dataclasses.fields(cls):
         kind = (lambda s: bool(("false", "true").index(s.lower()))) if f.type is bool else f.type  # strict
-        p.add_argument(f"--{f.name}", type=kind, default=f.default, help=f"{docs[f.name]} (default: {f.default!r})")
+        p.add_argument(f"--{f.name}", type=str if typing.get_args(f.type) else kind, choices=typing.get_args(f.type)
+                       or None, default=f.default, help=f"{docs[f.name]} (default: {f.default!r})")
     args = cls(**vars(p.parse_args()))
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and not args.resume:
         args.resume = "latest"  # torchrun --max-restarts restarted the group: carry on where it stopped
     return args
 
 
-def init_distributed(seed):
+def init_distributed(seed, timeout_minutes=30.0):
     """One process group for all: NCCL on GPUs, gloo on CPUs; plain `python` gets a 1-rank group.
-    Seeds every RNG per rank (dropout masks must differ across ranks); a resume restores them."""
+    Seeds every RNG per rank (dropout masks must differ across ranks); a resume restores them.
+    Collectives fail after timeout_minutes (a peer dead or stuck), where they would hang forever."""
     store, rank, world = next(dist.rendezvous("env://")) if "RANK" in os.environ else (dist.HashStore(), 0, 1)
     # torchrun restarts reuse its store; unprefixed, a new group read dead peers' addresses here (gloo)
-    kw = dict(store=dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/", store), rank=rank, world_size=world)
+    kw = dict(store=dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/", store), rank=rank,
+              world_size=world, timeout=datetime.timedelta(minutes=timeout_minutes))
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -90,7 +102,17 @@ def init_distributed(seed):
         dist.init_process_group("gloo", **kw)
     rank = dist.get_rank()
     random.seed(seed + rank), np.random.seed(seed + rank), torch.manual_seed(seed + rank)
+    watch_signals()
     return rank, dist.get_world_size(), device
+
+
+SIGNALS = []  # SIGTERM/SIGUSR1 received: the step ends with a checkpoint, then the run exits 0
+
+
+def watch_signals():
+    """Schedulers send SIGTERM before a kill (SLURM: --signal=USR1@secs earlier): note it, finish the step."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, lambda num, frame: SIGNALS.append(num))
 
 
 def print0(*a):
@@ -109,7 +131,7 @@ def truncate_log(out_dir, step):
     """A resumed run redoes the steps its predecessor logged after the checkpoint: drop those lines."""
     path = os.path.join(out_dir, "metrics.jsonl")
     if dist.get_rank() == 0 and os.path.exists(path):
-        rows = [r for r in open(path) if json.loads(r)["step"] <= step]
+        rows = [r for r in open(path) if r.endswith("}\n") and json.loads(r)["step"] <= step]  # (a kill cuts lines)
         with open(path, "w") as f:
             f.writelines(rows)
 
@@ -137,44 +159,27 @@ def load_model_and_tokenizer(path, cls, **kw):
     return model, tok
 
 
-def load_jsonl(path, fields):
-    """The rows of a JSONL file, each an object with string `fields`; errors name file and line."""
-    if not os.path.isfile(path):
-        raise SystemExit(f"error: {path}: no such file")
-    rows = []
-    for n, line in enumerate(open(path), 1):
-        try:
-            rows += [json.loads(line)] if line.strip() else []
-        except ValueError as e:
-            raise SystemExit(f"error: {path}:{n}: not valid JSON ({e})")
-        for k in fields if line.strip() else []:
-            if not isinstance(rows[-1], dict) or not isinstance(rows[-1].get(k), str):
-                raise SystemExit(f"error: {path}:{n}: expected a string field {k!r}")
-    if not rows:
-        raise SystemExit(f"error: {path}: no examples")
-    return rows
-
-
-def encode_prompt(tok, prompt):
-    """Token ids of a prompt: the chat template's user turn when the tokenizer has one."""
-    if tok.chat_template:
-        return tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)["input_ids"]
-    return tok(prompt).input_ids
-
-
-def batch_indices(step, n, batch_size, seed):
-    """Global example indices of optimizer step `step`: a pure function of (seed, step), so resuming at
-    any step (or on another world size) lands on exactly the same data; no sampler state to lose."""
-    per_epoch = n // batch_size  # the incomplete last batch of an epoch is dropped
-    epoch, i = divmod(step, per_epoch)
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-    return perm[i * batch_size:(i + 1) * batch_size].tolist(), epoch
+def run(main, cls):
+    """main(parse_args(cls)); a bad checkpoint or a failed collective ends in one line naming them."""
+    try:
+        main(parse_args(cls))
+    except checkpoint.CheckpointError as e:
+        raise SystemExit(f"error: {e}")
+    except (RuntimeError, dist.DistError) as e:  # gloo/NCCL failures name neither the op nor the rank
+        frames = traceback.extract_tb(e.__traceback__)
+        op = [f for f in frames if f"torch{os.sep}distributed" in f.filename]
+        if not op or not isinstance(e, dist.DistError) and not any(s in str(e) for s in ("gloo", "NCCL", "Timed out")):
+            raise
+        ours = [f for f in frames if f.filename.startswith(os.path.dirname(os.path.abspath(__file__)))][-1]
+        raise SystemExit(f"error: rank {os.environ.get('RANK', 0)}: collective {op[-1].name} called at "
+                         f"{os.path.basename(ours.filename)}:{ours.lineno} failed: {str(e).splitlines()[0]} "
+                         "(a peer died or hung; --timeout_minutes sets how long to wait)")
 # ==== end shared boilerplate ====
 
 
 def encode(tok, ex, max_len, where):
     """(input_ids, n_prompt): the prompt, then the response and EOS, which the loss is taken on."""
-    prompt = encode_prompt(tok, ex["prompt"])
+    prompt = task.encode_prompt(tok, ex["prompt"])
     response = tok(ex["response"], add_special_tokens=False).input_ids + [tok.eos_token_id]
     if len(prompt) + len(response) > max_len:
         raise SystemExit(f"error: {where}: prompt+response is {len(prompt) + len(response)} tokens, longer "
@@ -207,7 +212,7 @@ def evaluate(model, tok, examples, device, batch_size=64):
     correct = torch.zeros(1, device=device)
     for i in range(0, len(mine), batch_size):
         chunk = mine[i:i + batch_size]
-        enc = tok.pad({"input_ids": [encode_prompt(tok, e["prompt"]) for e in chunk]}, padding_side="left",
+        enc = tok.pad({"input_ids": [task.encode_prompt(tok, e["prompt"]) for e in chunk]}, padding_side="left",
                       return_tensors="pt").to(device)
         # synced_gpus: every forward of a sharded model is a collective; ranks step until all are done
         out = model.generate(**enc, max_new_tokens=max_new, do_sample=False, synced_gpus=world > 1,
@@ -220,7 +225,7 @@ def evaluate(model, tok, examples, device, batch_size=64):
 
 
 def main(args):
-    rank, world, device = init_distributed(args.seed)
+    rank, world, device = init_distributed(args.seed, args.timeout_minutes)
     os.makedirs(args.out_dir, exist_ok=True)
     per_rank, rem = divmod(args.train_batch_size, world)
     if rem or per_rank % args.micro_batch_size:
@@ -229,8 +234,8 @@ def main(args):
 
     model, tok = load_model_and_tokenizer(args.model, AutoModelForCausalLM)
     model.train()  # from_pretrained returns eval mode: dropout would be silently off until the first eval
-    train = load_jsonl(args.data, ("prompt", "response")) if args.data else task.make_split("train")
-    held_out = (load_jsonl(args.eval_data, ("prompt", "response")) if args.eval_data
+    train = task.load_jsonl(args.data, ("prompt", "response")) if args.data else task.make_split("train")
+    held_out = (task.load_jsonl(args.eval_data, ("prompt", "response")) if args.eval_data
                 else [] if args.data else task.make_split("test"))[:args.eval_samples]
     src, max_len = args.data or "embedded task", model.config.max_position_embeddings
     train = [encode(tok, ex, max_len, f"{src}:{i + 1}") for i, ex in enumerate(train)]
@@ -240,8 +245,7 @@ def main(args):
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = get_cosine_schedule_with_warmup(optim, args.warmup_steps, args.max_steps)
 
-    start = 0
-    path = checkpoint.resolve(args.out_dir, args.resume)
+    start, path = 0, checkpoint.resolve(args.out_dir, args.resume)
     if path:  # RNG restored last: nothing may draw from it between here and step 1
         meta = checkpoint.load(path, {"model": (model, optim)}, vars(args),
                                must_match=["model", "data", "seed", "train_batch_size", "micro_batch_size"])
@@ -252,7 +256,7 @@ def main(args):
     step, pbar = start, tqdm(total=args.max_steps, initial=start, disable=rank != 0, desc="sft")
     for step in range(start + 1, args.max_steps + 1):
         t0 = time.time()
-        idx, epoch = batch_indices(step - 1, len(train), args.train_batch_size, args.seed)
+        idx, epoch = task.batch_indices(step - 1, len(train), args.train_batch_size, args.seed)
         n_tokens = sum(len(train[i][0]) - train[i][1] for i in idx)  # response tokens, all ranks: no collective
         mine = idx[rank * per_rank:(rank + 1) * per_rank]
         loss_sum = torch.zeros(1, device=device)
@@ -260,9 +264,7 @@ def main(args):
             ids, mask, labels = (t.to(device) for t in collate(
                 [train[i] for i in mine[m * args.micro_batch_size:(m + 1) * args.micro_batch_size]], tok.pad_token_id))
             loss = sft_loss(model(input_ids=ids, attention_mask=mask).logits, labels, n_tokens)
-            # FSDP averages gradients over ranks; the loss is normalised by the global token count,
-            # so scale by world size to get the gradient of the global mean.
-            (loss * world).backward()
+            (loss * world).backward()  # FSDP averages over ranks; the loss is already a global token mean
             loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).full_tensor()  # DTensor
         optim.step()
@@ -277,24 +279,22 @@ def main(args):
         log(metrics, step, args.out_dir)
         pbar.update(1)
         pbar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
-        if step % args.save_every == 0 or step in (args.max_steps, args.stop_at_step):
+        save, stop = checkpoint.boundary(step, args.save_every, args.save_every_minutes, bool(SIGNALS), device)
+        if save or (last := stop or step in (args.max_steps, args.stop_at_step)):  # last: blocking, we exit next
             meta = {"scheduler": sched.state_dict(), "epoch": epoch, "consumed_samples": step * args.train_batch_size}
-            checkpoint.save(args.out_dir, step, {"model": (model, optim)}, {**meta, "args": vars(args)},
-                            model.config, tok, model.generation_config, args.keep_last)
-        if step == args.stop_at_step:
-            print0(f"stopping after step {step} (--stop_at_step)")
+            path = checkpoint.save(args.out_dir, step, {"model": (model, optim)}, {**meta, "args": vars(args)},
+                                   (model.config, tok, model.generation_config), args.keep_last,
+                                   args.async_save and not last, args.on_save_error)
+        if stop or step == args.stop_at_step:
+            print0(f"stopping after step {step} ({'signal' if stop else '--stop_at_step'}); go on with --resume latest")
             break
     pbar.close()
 
-    if step == args.max_steps and rank == 0:  # the final checkpoint, as an HF folder for PPO and vLLM
-        checkpoint.export(os.path.join(args.out_dir, "checkpoints", f"step-{step:08d}"), os.path.join(args.out_dir, "hf"))
-        print0(f"exported {os.path.join(args.out_dir, 'hf')}")
+    if step == args.max_steps and path and rank == 0:  # the final checkpoint, as an HF folder for PPO and vLLM
+        rollout.export(path, os.path.join(args.out_dir, "hf"))
     dist.barrier()  # nobody tears the group down while rank 0 is still writing
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    try:
-        main(parse_args(Args))
-    except checkpoint.CheckpointError as e:
-        raise SystemExit(f"error: {e}")
+    run(main, Args)

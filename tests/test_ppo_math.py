@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import rollout
 import train_ppo as ppo
 
 
@@ -94,7 +95,7 @@ def test_adaptive_kl_controller():
 
 
 def test_make_batch_layout():
-    ids, attn, pos, mask, P = ppo.make_batch([[5, 6], [7]], [[8, 2], [9, 10, 2]], pad_id=0)
+    ids, attn, pos, mask, P = rollout.make_batch([[5, 6], [7]], [[8, 2], [9, 10, 2]], pad_id=0)
     assert P == 2
     assert ids.tolist() == [[5, 6, 8, 2, 0], [0, 7, 9, 10, 2]]
     assert attn.tolist() == [[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]]

@@ -116,8 +116,9 @@ def test_corrupt_checkpoint_is_detected(tmp_path, addition_jsonl):
     open(rng, "r+").truncate(100)
     p = run("train_sft.py", *args, "--resume", latest(out), check=False)
     assert p.returncode != 0 and "rng-rank1.json: size 100" in p.stderr
-    p = run_py("checkpoint.py", "ls", out)
-    assert "step-00000006" in p.stdout and "BAD" in p.stdout and "step-00000003  step 3  ok" in p.stdout
+    root = os.path.join(out, "checkpoints")
+    p = run_py("checkpoint.py", "verify", os.path.join(root, "step-00000003"), os.path.join(root, "step-00000006"))
+    assert p.returncode != 0 and "step-00000003: ok, step 3" in p.stdout and "rng-rank1.json: size 100" in p.stderr
 
 
 class Payload:

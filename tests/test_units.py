@@ -64,12 +64,12 @@ def test_sft_loss_by_hand():
 
 def test_batch_indices_cover_each_epoch_once_and_are_pure():
     n, bs, seed = 50, 8, 3  # 6 full batches per epoch, 2 examples dropped
-    epoch0 = [i for s in range(6) for i in train_sft.batch_indices(s, n, bs, seed)[0]]
+    epoch0 = [i for s in range(6) for i in task.batch_indices(s, n, bs, seed)[0]]
     assert len(set(epoch0)) == 48
-    assert train_sft.batch_indices(6, n, bs, seed)[1] == 1  # step 6 starts epoch 1
-    assert train_sft.batch_indices(6, n, bs, seed)[0] != train_sft.batch_indices(0, n, bs, seed)[0]
-    assert train_sft.batch_indices(4, n, bs, seed) == train_sft.batch_indices(4, n, bs, seed)
-    assert train_sft.batch_indices(4, n, bs, seed + 1) != train_sft.batch_indices(4, n, bs, seed)
+    assert task.batch_indices(6, n, bs, seed)[1] == 1  # step 6 starts epoch 1
+    assert task.batch_indices(6, n, bs, seed)[0] != task.batch_indices(0, n, bs, seed)[0]
+    assert task.batch_indices(4, n, bs, seed) == task.batch_indices(4, n, bs, seed)
+    assert task.batch_indices(4, n, bs, seed + 1) != task.batch_indices(4, n, bs, seed)
 
 
 def test_encode_appends_eos_and_rejects_overlong():
@@ -90,9 +90,9 @@ def test_encode_appends_eos_and_rejects_overlong():
 def test_load_jsonl_errors_name_file_and_line(tmp_path, content, message):
     (tmp_path / "data.jsonl").write_text(content)
     with pytest.raises(SystemExit, match=message):
-        train_sft.load_jsonl(str(tmp_path / "data.jsonl"), ("prompt", "response"))
+        task.load_jsonl(str(tmp_path / "data.jsonl"), ("prompt", "response"))
     with pytest.raises(SystemExit, match="nope.jsonl: no such file"):
-        train_sft.load_jsonl(str(tmp_path / "nope.jsonl"), ("prompt",))
+        task.load_jsonl(str(tmp_path / "nope.jsonl"), ("prompt",))
 
 
 def test_rng_state_round_trips_through_json():
@@ -132,7 +132,7 @@ def test_verify_names_the_bad_file(tmp_path):
 def test_encode_prompt_uses_the_chat_template_when_there_is_one():
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
-    assert train_sft.encode_prompt(tok, "1+2=") == tok("1+2=").input_ids  # no template: the raw prompt
+    assert task.encode_prompt(tok, "1+2=") == tok("1+2=").input_ids  # no template: the raw prompt
     tok.chat_template = "{% for m in messages %}U:{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
-    ids = train_sft.encode_prompt(tok, "1+2=")
+    ids = task.encode_prompt(tok, "1+2=")
     assert tok.decode(ids, skip_special_tokens=True) == "U:1+2=A:"
