@@ -95,8 +95,7 @@ def _step_dirs(root):  # (committed checkpoints, newest first; the `latest` poin
 def verify(path):
     """Return the manifest, or raise CheckpointError naming the file that is missing, cut or altered."""
     try:
-        manifest = json.load(open(mpath := os.path.join(path, "manifest.json")))
-        files, actual = manifest["files"].items(), _manifest_files(path)
+        files, actual = (manifest := json.load(open(mpath := os.path.join(path, "manifest.json"))))["files"].items(), _manifest_files(path)
     except (OSError, ValueError, KeyError, AttributeError) as e:
         raise CheckpointError(f"{mpath}: missing or unreadable (not a checkpoint, or an unfinished one: {e!r})")
     for rel, want, got in [(rel, want, actual.get(rel)) for rel, want in files if actual.get(rel) != want][:1]:
@@ -116,7 +115,8 @@ def _agree(fn, tmp, on_error):
         fn()
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is no Exception
         e = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
-        err = f"rank {dist.get_rank()}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        disk = next((d for d in (os.path.dirname(tmp), os.path.dirname(os.path.dirname(tmp))) if os.path.isdir(d)), ".")
+        err = f"rank {dist.get_rank()}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]} [{shutil.disk_usage(disk).free >> 20} MiB free]"
     dist.all_gather_object(errs := [None] * dist.get_world_size(), err)  # so all ranks take the same branch
     if bad := "; ".join(e for e in errs if e):
         shutil.rmtree(tmp, ignore_errors=True)

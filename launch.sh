@@ -35,7 +35,18 @@ run_torchrun() {
   fi
   .venv/bin/torchrun --nnodes="${NNODES:-1}" --node_rank="${NODE_RANK:-0}" \
     --rdzv_backend=c10d --rdzv_endpoint="${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" \
-    --nproc_per_node="$nproc" --max-restarts="${MAX_RESTARTS:-0}" "$script" "$@"
+    --nproc_per_node="$nproc" --max-restarts="${MAX_RESTARTS:-0}" "$script" "$@" &
+  local pid=$! rc=0
+  # Preemption: SIGTERM/SIGUSR1 go to the training processes (torchrun's children) only. They finish the
+  # step, save and exit 0, so torchrun and this script exit 0; torchrun itself would count SIGTERM as a
+  # failure and SIGKILL its workers 30 s later.
+  trap 'pkill -TERM -P "$pid" || true' TERM
+  trap 'pkill -USR1 -P "$pid" || true' USR1
+  trap 'kill -INT "$pid" 2>/dev/null || true' INT  # Ctrl-C: torchrun stops its workers
+  while true; do
+    wait "$pid" && rc=0 || rc=$?
+    kill -0 "$pid" 2>/dev/null || return "$rc"  # a trapped signal interrupts `wait`; torchrun goes on
+  done
 }
 
 cmd=${1:-}; shift || true

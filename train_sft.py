@@ -166,14 +166,14 @@ def run(main, cls):
     except checkpoint.CheckpointError as e:
         raise SystemExit(f"error: {e}")
     except (RuntimeError, dist.DistError) as e:  # gloo/NCCL failures name neither the op nor the rank
-        frames = traceback.extract_tb(e.__traceback__)
-        op = [f for f in frames if f"torch{os.sep}distributed" in f.filename]
+        frames, here = traceback.extract_tb(e.__traceback__), os.path.dirname(os.path.abspath(__file__))
+        i = [i for i, f in enumerate(frames) if f.filename.startswith(here) and "-packages" not in f.filename][-1]
+        op = [f for f in frames[i + 1:] if f"torch{os.sep}distributed" in f.filename and f.name != "wrapper"]
         if not op or not isinstance(e, dist.DistError) and not any(s in str(e) for s in ("gloo", "NCCL", "Timed out")):
             raise
-        ours = [f for f in frames if f.filename.startswith(os.path.dirname(os.path.abspath(__file__)))][-1]
-        raise SystemExit(f"error: rank {os.environ.get('RANK', 0)}: collective {op[-1].name} called at "
-                         f"{os.path.basename(ours.filename)}:{ours.lineno} failed: {str(e).splitlines()[0]} "
-                         "(a peer died or hung; --timeout_minutes sets how long to wait)")
+        c10d = [f.name for f in op if f.filename.endswith("distributed_c10d.py")] or [op[-1].name]  # the collective
+        raise SystemExit(f"error: rank {os.environ.get('RANK', 0)}: collective {c10d[-1]} (in {op[0].name}, called at "
+                         f"{os.path.basename(frames[i].filename)}:{frames[i].lineno}) failed: {str(e).splitlines()[0]} (peer dead or hung?)")
 # ==== end shared boilerplate ====
 
 
@@ -280,7 +280,7 @@ def main(args):
         pbar.update(1)
         pbar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
         save, stop = checkpoint.boundary(step, args.save_every, args.save_every_minutes, bool(SIGNALS), device)
-        if save or (last := stop or step in (args.max_steps, args.stop_at_step)):  # last: blocking, we exit next
+        if (last := stop or step in (args.max_steps, args.stop_at_step)) or save:  # last: blocking, we exit next
             meta = {"scheduler": sched.state_dict(), "epoch": epoch, "consumed_samples": step * args.train_batch_size}
             path = checkpoint.save(args.out_dir, step, {"model": (model, optim)}, {**meta, "args": vars(args)},
                                    (model.config, tok, model.generation_config), args.keep_last,

@@ -1,0 +1,181 @@
+"""Surviving real failures (issue 5): kills at random moments, preemption signals, a full disk, a stuck
+peer; every case ends in the same weights as an uninterrupted run, or in a clear one-line error."""
+import os, random, shutil, signal, socket, subprocess, time
+
+import psutil
+import pytest
+
+from conftest import REPO, TORCHRUN, assert_same_tensors, kill_tree, latest, metrics, run, run_py
+
+pytestmark = pytest.mark.slow
+N = 10
+
+
+def sft(out, data, *extra):
+    return ("--data", data, "--eval_data", data, "--eval_samples", 16, "--train_batch_size", 16,
+            "--micro_batch_size", 4, "--max_steps", N, "--eval_every", 5, "--save_every", 100,
+            "--warmup_steps", 2, "--out_dir", out, *extra)
+
+
+def popen(out, data, *extra, log=None):
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", os.path.join(REPO, "train_sft.py"), *map(str, sft(out, data, *extra))]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, text=True)
+
+
+def logged_steps(out):
+    path = os.path.join(out, "metrics.jsonl")
+    return sum(1 for line in open(path) if line.endswith("\n")) if os.path.exists(path) else 0
+
+
+def workers(pid):
+    """The training processes under a torchrun (or launch.sh) pid, by rank."""
+    found = {}
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if "train_sft.py" in " ".join(p.cmdline()) and "RANK" in p.environ() and "torchrun" not in p.cmdline()[1]:
+                found[int(p.environ()["RANK"])] = p
+        except (psutil.NoSuchProcess, IndexError):
+            pass
+    return found
+
+
+def wait_for(cond, proc, timeout=300):
+    t0 = time.time()
+    while not cond():
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before the moment to interrupt it"
+        assert time.time() - t0 < timeout
+        time.sleep(0.005)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, addition_jsonl):
+    out = str(tmp_path_factory.mktemp("straight"))
+    run("train_sft.py", *sft(out, addition_jsonl))
+    return out
+
+
+def test_fault_check_under_torchrun(tmp_path):
+    """One rank's failed write fails the save on both; async saves snapshot; one decision for all ranks."""
+    p = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", os.path.join(REPO, "tests", "fault_check.py"),
+                        str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0 and p.stdout.count("FAULT_CHECK_OK") == 2, p.stdout[-2000:] + p.stderr[-4000:]
+
+
+def test_random_sigkills_then_resume_end_with_the_same_weights(tmp_path, straight, addition_jsonl):
+    """SIGKILL the whole process tree at random moments, during steps and during saves (every step
+    saves; every other run saves asynchronously), then `--resume latest`, until the run completes."""
+    out, rng = str(tmp_path), random.Random(5)
+    root = os.path.join(out, "checkpoints")
+    moments = []
+    for attempt in range(6):
+        proc = popen(out, addition_jsonl, "--save_every", 1, "--keep_last", 2, "--resume", "latest",
+                     "--async_save", ["false", "true"][attempt % 2])
+        done = logged_steps(out)
+        if attempt < 5:
+            try:
+                if attempt % 2:  # while a checkpoint is being written
+                    wait_for(lambda: any(n.startswith(".tmp-") for n in os.listdir(root)) if os.path.isdir(root)
+                             and logged_steps(out) > done else False, proc)
+                    time.sleep(rng.uniform(0, 0.05))
+                else:  # at a random moment of a step
+                    wait_for(lambda: logged_steps(out) > done, proc)
+                    time.sleep(rng.uniform(0, 0.6))
+            except AssertionError:
+                break  # it finished first: fine, the comparison below still holds
+            moments.append((attempt, logged_steps(out), sorted(os.listdir(root))))
+            kill_tree(proc.pid)
+            proc.wait()
+            p = run_py("checkpoint.py", "verify", latest(out))
+            assert p.returncode == 0, (moments, p.stderr)
+        else:
+            assert proc.wait(timeout=600) == 0, moments
+    assert len(moments) >= 4, moments
+    assert_same_tensors(latest(straight), latest(out))
+    assert metrics(straight) == metrics(out)
+    assert not [n for n in os.listdir(root) if n.startswith(".tmp-")]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_to_the_launcher_saves_at_the_step_and_exits_0(tmp_path, straight, addition_jsonl):
+    """What a scheduler does: SIGTERM to the job. launch.sh passes it to the training processes, which
+    agree, checkpoint at the end of the step and exit 0; --resume latest then continues exactly."""
+    out = str(tmp_path)
+    env = {**os.environ, "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())}
+    cmd = ["bash", os.path.join(REPO, "launch.sh"), "sft", *map(str, sft(out, addition_jsonl))]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: logged_steps(out) >= 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, log[-3000:]
+    k = logged_steps(out)
+    assert k < N and latest(out).endswith(f"step-{k:08d}") and "stopping after step" in log, log[-3000:]
+    run("train_sft.py", *sft(out, addition_jsonl, "--resume", "latest"))
+    assert_same_tensors(latest(straight), latest(out))
+    assert metrics(straight) == metrics(out)
+
+
+def test_sigusr1_on_one_rank_stops_every_rank(tmp_path, addition_jsonl):
+    out = str(tmp_path)
+    proc = popen(out, addition_jsonl)
+    wait_for(lambda: logged_steps(out) >= 2 and len(workers(proc.pid)) == 2, proc)
+    workers(proc.pid)[1].send_signal(signal.SIGUSR1)
+    assert proc.wait(timeout=300) == 0
+    k = logged_steps(out)
+    assert k < N and latest(out).endswith(f"step-{k:08d}")
+
+
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, addition_jsonl):
+    """ENOSPC for real: the checkpoints live on a tmpfs with room for one checkpoint and a bit (a mount
+    namespace of this test's own). The save at step 4 fails: the run stops with a one-line error, or with
+    --on_save_error warn trains to the end; step 2 stays latest and verifies; no temp dir is left."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"]).returncode != 0:
+        pytest.skip("needs unshare -m (a private mount namespace) to mount a small tmpfs")
+    out = str(tmp_path / "run")
+    run("train_sft.py", *sft(out, addition_jsonl, "--save_every", 2, "--stop_at_step", 2))
+    one = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(latest(out)) for f in fs)
+    saved, inspect = str(tmp_path / "saved"), str(tmp_path / "inspect")
+    shutil.copytree(os.path.join(out, "checkpoints"), saved)
+    for policy, want_rc in (("stop", 1), ("warn", 0)):
+        script = (f'mount -t tmpfs -o size={one * 3 // 2} tmpfs "$1/checkpoints" && cp -a "$2/." "$1/checkpoints/" && '
+                  f'"$3" --standalone --nproc_per_node=2 "$4" "${{@:6}}"; rc=$?; rm -rf "$5"; cp -a "$1/checkpoints" "$5"; exit $rc')
+        args = sft(out, addition_jsonl, "--save_every", 2, "--resume", "latest", "--on_save_error", policy)
+        p = subprocess.run(["unshare", "-m", "bash", "-c", script, "x", out, saved, TORCHRUN,
+                            os.path.join(REPO, "train_sft.py"), inspect, *map(str, args)],
+                           capture_output=True, text=True, timeout=600, cwd=REPO)
+        log = p.stdout + p.stderr
+        assert p.returncode == want_rc, log[-4000:]
+        # Where the disk fills decides the error (ENOSPC, or torch's zip writer: "unexpected pos"); the
+        # free space, printed with it, says why.
+        assert "step-00000004 not saved" in log and " [0 MiB free]" in log, log[-4000:]
+        if policy == "stop":
+            assert "error: step-00000004 not saved" in p.stderr and "[rank0]: Traceback" not in p.stderr, p.stderr[-4000:]
+        else:
+            assert "training goes on (--on_save_error warn)" in log and f'"step": {N}' in open(os.path.join(out, "metrics.jsonl")).read()
+        assert open(os.path.join(inspect, "latest")).read().strip() == "step-00000002"
+        assert sorted(os.listdir(inspect)) == ["latest", "step-00000002"], os.listdir(inspect)
+        assert run_py("checkpoint.py", "verify", os.path.join(inspect, "step-00000002")).returncode == 0
+
+
+def test_a_stuck_peer_is_an_error_naming_rank_and_collective(tmp_path, addition_jsonl):
+    """SIGSTOP rank 1 mid-run: rank 0's next collective times out after --timeout_minutes and the run
+    ends with one line naming the rank, the collective and where it was called, instead of hanging."""
+    out = str(tmp_path)
+    with open(tmp_path / "log.txt", "w") as log:
+        proc = popen(out, addition_jsonl, "--timeout_minutes", 0.2, "--max_steps", 1000, log=log)
+        wait_for(lambda: logged_steps(out) >= 2 and len(workers(proc.pid)) == 2, proc)
+        stuck = workers(proc.pid)[1]
+        stuck.suspend()
+        try:
+            wait_for(lambda: "error: rank 0: collective" in open(tmp_path / "log.txt").read(), proc, timeout=120)
+        finally:
+            stuck.resume()
+            kill_tree(proc.pid)
+    line = next(l for l in open(tmp_path / "log.txt") if l.startswith("error: rank 0: collective"))
+    op = line.split("collective ")[1].split()[0]
+    assert any(c in op for c in ("all_reduce", "barrier", "all_gather", "broadcast", "reduce_scatter")), line
+    assert "called at train_sft.py:" in line and "Timed out" in line and "peer dead or hung" in line, line
