@@ -6,6 +6,10 @@ A Llama of ~40M parameters, FSDP2-sharded, with AdamW state (~0.5 GB in all) is 
 through checkpoint.py (DCP + manifest + fsync + atomic rename), and the same number of bytes is
 written (with fsync) and read back with plain file I/O by every rank at once: the physical limit.
 Reads are from the page cache in both cases (dropping caches needs privileges CI does not have).
+
+Then the training stall: the same steps (forward, backward, AdamW) timed without a save, with a blocking
+save after the first step, and with --async_save's path (checkpoint.save(async_save=True), committed
+by checkpoint.boundary() at a later step): stall = time beyond the save-free steps.
 """
 import argparse, os, shutil, statistics, sys, tempfile, time
 
@@ -57,7 +61,8 @@ def main():
     tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
     roles = {"model": (model, optim)}
     meta = {"args": {"seed": 0}}
-    save_s = timed(lambda: checkpoint.save(root, 1, roles, meta, config, tok, GenerationConfig(), keep_last=1), a.repeats)
+    hf = (config, tok, GenerationConfig())
+    save_s = timed(lambda: checkpoint.save(root, 1, roles, meta, hf, keep_last=1), a.repeats)
     path = os.path.join(root, "checkpoints", "step-00000001")
     load_s = timed(lambda: checkpoint.load(path, roles, meta["args"], []), a.repeats)
 
@@ -76,6 +81,25 @@ def main():
             while f.read(1 << 24):
                 pass
 
+    def train_steps(n, save=None):  # n steps; `save` runs after the first; the last boundary() commits
+        dist.barrier()
+        t0 = time.perf_counter()
+        for i in range(n):
+            model(input_ids=torch.ones(4, 64, dtype=torch.long, device=device)).logits.float().mean().backward()
+            optim.step()
+            optim.zero_grad()
+            if i == 0 and save:
+                save()
+            checkpoint.boundary(i, 0, 0, False, device)
+        checkpoint.commit()  # an async save still in flight counts too
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    steps = 6
+    base_s = statistics.median(train_steps(steps) for _ in range(a.repeats))
+    block_s = statistics.median(train_steps(steps, lambda: checkpoint.save(root, 2, roles, meta, hf, 1)) for _ in range(a.repeats))
+    async_s = statistics.median(train_steps(steps, lambda: checkpoint.save(root, 3, roles, meta, hf, 1, async_save=True))
+                                for _ in range(a.repeats))
     write_s = timed(raw_write, a.repeats)
     read_s = timed(raw_read, a.repeats)
     if rank == 0:
@@ -84,6 +108,8 @@ def main():
         print(f"{'':28}{'GB/s':>8}{'raw disk GB/s':>15}{'ratio':>8}")
         print(f"{'save (checkpoint.save)':28}{gb / save_s:8.2f}{gb / write_s:15.2f}{write_s / save_s:8.2f}")
         print(f"{'load (checkpoint.load)':28}{gb / load_s:8.2f}{gb / read_s:15.2f}{read_s / load_s:8.2f}")
+        print(f"\ntraining stall of one save, {steps} steps of {base_s / steps:.2f} s: blocking {block_s - base_s:.2f} s, "
+              f"async {async_s - base_s:.2f} s (async/blocking {(async_s - base_s) / (block_s - base_s):.2f})")
         shutil.rmtree(root, ignore_errors=True)
     dist.barrier()  # rank 0 is done with the directory before the group goes away
     dist.destroy_process_group()

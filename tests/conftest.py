@@ -1,6 +1,7 @@
 """Helpers for the tests: run the real scripts under the real torchrun, read checkpoints back."""
-import json, os, shutil, subprocess, sys
+import json, os, shutil, subprocess, sys, time
 
+import psutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -42,6 +43,31 @@ def kill_tree(pid, sig=9):
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(procs, timeout=30)
+
+
+def logged_steps(out):
+    path = os.path.join(out, "metrics.jsonl")
+    return sum(1 for line in open(path) if line.endswith("\n")) if os.path.exists(path) else 0
+
+
+def workers(pid):
+    """The training processes under a torchrun (or launch.sh) pid, by rank."""
+    found = {}
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if "train_" in " ".join(p.cmdline()) and "RANK" in p.environ() and "torchrun" not in p.cmdline()[1]:
+                found[int(p.environ()["RANK"])] = p
+        except (psutil.NoSuchProcess, IndexError):
+            pass
+    return found
+
+
+def wait_for(cond, proc, timeout=300):
+    t0 = time.time()
+    while not cond():
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before the moment to interrupt it"
+        assert time.time() - t0 < timeout
+        time.sleep(0.005)
 
 
 def read_tensors(ckpt):

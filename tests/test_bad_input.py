@@ -23,6 +23,26 @@ def test_bad_flags(tmp_path, extra, needles):
     assert_one_line_error(run_py("train_sft.py", "--out_dir", tmp_path, "--max_steps", 1, *extra), *needles)
 
 
+@pytest.mark.parametrize("text,needles", [
+    ('{"prompt": "1+1=", "response": "2"}\n{"prompt": "1+1=", \n', ["bad.jsonl:2: not valid JSON"]),
+    ('{"prompt": "1+1=", "response": "2"}\n{"prompt": "2+2="}\n', ["bad.jsonl:2: expected a string field 'response'"]),
+    ("\n", ["bad.jsonl: no examples"]),
+], ids=["malformed-line", "missing-field", "empty"])
+def test_bad_data_file(tmp_path, text, needles):
+    (tmp_path / "bad.jsonl").write_text(text)
+    p = run_py("train_sft.py", "--out_dir", tmp_path, "--data", tmp_path / "bad.jsonl", "--max_steps", 1)
+    assert_one_line_error(p, *needles)
+
+
+def test_ppo_prompt_longer_than_the_context(tmp_path):
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "1+1="}) + "\n" + json.dumps({"prompt": "9" * 70}) + "\n")
+    import task
+    task.ensure_tiny_model()
+    p = run_py("train_ppo.py", "--model", task.TINY_MODEL, "--out_dir", tmp_path / "out", "--rollout_engine", "hf",
+               "--data", tmp_path / "prompts.jsonl", "--max_steps", 1)
+    assert_one_line_error(p, "prompts.jsonl:2", "exceeds the model's context")
+
+
 def test_overlong_example(tmp_path):
     data = tmp_path / "long.jsonl"
     data.write_text(json.dumps({"prompt": "1+1=", "response": "2"}) + "\n" +

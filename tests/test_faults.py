@@ -2,10 +2,10 @@
 peer; every case ends in the same weights as an uninterrupted run, or in a clear one-line error."""
 import os, random, shutil, signal, socket, subprocess, time
 
-import psutil
 import pytest
 
-from conftest import REPO, TORCHRUN, assert_same_tensors, kill_tree, latest, metrics, run, run_py
+from conftest import (REPO, TORCHRUN, assert_same_tensors, kill_tree, latest, logged_steps, metrics, run, run_py,
+                      wait_for, workers)
 
 pytestmark = pytest.mark.slow
 N = 10
@@ -20,31 +20,6 @@ def sft(out, data, *extra):
 def popen(out, data, *extra, log=None):
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", os.path.join(REPO, "train_sft.py"), *map(str, sft(out, data, *extra))]
     return subprocess.Popen(cmd, cwd=REPO, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, text=True)
-
-
-def logged_steps(out):
-    path = os.path.join(out, "metrics.jsonl")
-    return sum(1 for line in open(path) if line.endswith("\n")) if os.path.exists(path) else 0
-
-
-def workers(pid):
-    """The training processes under a torchrun (or launch.sh) pid, by rank."""
-    found = {}
-    for p in psutil.Process(pid).children(recursive=True):
-        try:
-            if "train_sft.py" in " ".join(p.cmdline()) and "RANK" in p.environ() and "torchrun" not in p.cmdline()[1]:
-                found[int(p.environ()["RANK"])] = p
-        except (psutil.NoSuchProcess, IndexError):
-            pass
-    return found
-
-
-def wait_for(cond, proc, timeout=300):
-    t0 = time.time()
-    while not cond():
-        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before the moment to interrupt it"
-        assert time.time() - t0 < timeout
-        time.sleep(0.005)
 
 
 @pytest.fixture(scope="module")

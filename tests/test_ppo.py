@@ -1,11 +1,11 @@
 """train_ppo.py under torchrun with 2 ranks and the vLLM engine: it trains, and it resumes exactly."""
-import json, os
+import json, os, signal, subprocess
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import assert_same_tensors, latest, metrics, read_tensors, run
+from conftest import REPO, TORCHRUN, assert_same_tensors, latest, logged_steps, metrics, read_tensors, run, wait_for, workers
 import task
 
 pytestmark = pytest.mark.slow
@@ -71,3 +71,21 @@ def test_grpo_with_reward_model_and_hf_engine(tmp_path, sft_model):
     assert len(rows) == 3 and rows[1]["val/loss"] == 0.0 and rows[1]["policy/first_ratio_dev"] == 0.0
     assert rows[2]["objective/kl_coef"] != rows[1]["objective/kl_coef"]  # the adaptive controller moved
     assert json.load(open(os.path.join(latest(out), "meta.json")))["roles"] == ["actor"]  # no critic
+
+
+def test_sigterm_mid_ppo_saves_and_resume_is_exact(tmp_path, straight, sft_model):
+    """Preemption with the vLLM engine in the process (it must not take over our signal handlers), with
+    --async_save on: SIGTERM to rank 0 only -> both ranks checkpoint at the step's end and exit 0."""
+    out = str(tmp_path)
+    args = ppo(out, sft_model, "--async_save", "true", "--save_every", 1)
+    proc = subprocess.Popen([TORCHRUN, "--standalone", "--nproc_per_node=2", os.path.join(REPO, "train_ppo.py"),
+                             *map(str, args)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: logged_steps(out) >= 2 and len(workers(proc.pid)) == 2, proc)  # step 0's eval, step 1
+    workers(proc.pid)[0].send_signal(signal.SIGTERM)
+    log, _ = proc.communicate(timeout=300)
+    k = logged_steps(out) - 1
+    assert proc.returncode == 0 and "stopping after step" in log and k < N, log[-3000:]
+    assert latest(out).endswith(f"step-{k:08d}")
+    run("train_ppo.py", *args, "--resume", "latest")
+    assert_same_tensors(latest(straight), latest(out))
+    assert metrics(straight) == metrics(out)
