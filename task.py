@@ -13,7 +13,9 @@ The tiny model's weights are not committed: `ensure_tiny_model()` initialises th
 config with a fixed seed the first time the default `--model` is used, and saves an ordinary HF
 folder, so it loads through `from_pretrained` exactly like a user's model.
 """
+import importlib
 import json
+import math
 import os
 import random
 import sys
@@ -86,6 +88,25 @@ def batch_indices(step, n, batch_size, seed):
     epoch, i = divmod(step, per_epoch)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
     return perm[i * batch_size:(i + 1) * batch_size].tolist(), epoch
+
+
+def rule_scores(spec, prompts, responses):
+    """Scores [B] from --reward_fn module:function(prompt, response) -> float; failures get one line."""
+    module, _, name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise SystemExit(f"error: --reward_fn {spec}: expected module:function importable from here ({e})")
+    out = []
+    for p, r in zip(prompts, responses):
+        try:
+            s = fn(p, r)
+        except Exception as e:  # a user's function: any failure becomes one clear line
+            raise SystemExit(f"error: --reward_fn {spec} raised {e!r} on prompt {p!r}, response {r!r}")
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
+            raise SystemExit(f"error: --reward_fn {spec} returned {s!r} for prompt {p!r}; expected a finite number")
+        out.append(float(s))
+    return torch.tensor(out)
 
 
 def make_assets(path=TINY_MODEL):

@@ -7,7 +7,7 @@ baselines over each prompt's samples (Shao et al. 2024, DeepSeekMath; Ahmadian e
 
     torchrun --nproc_per_node=2 train_ppo.py --model runs/sft/hf --out_dir runs/ppo [--resume latest]
 """
-import argparse, ast, dataclasses, datetime, importlib, inspect, json, math, os, random, signal, sys, time, traceback, typing
+import argparse, ast, dataclasses, datetime, importlib.util, inspect, json, os, random, signal, sys, time, traceback, typing
 
 import numpy as np
 import torch
@@ -102,6 +102,8 @@ class Args:
     """a failed save (disk full, I/O error) stops the run, or warns and trains on; the last good one stays latest"""
     timeout_minutes: float = 30.0
     """a collective waiting longer than this (a peer dead or stuck) fails with an error, not a hang"""
+    tensorboard: bool = False
+    """also write TensorBoard event files to <out_dir>/tensorboard/ (needs `pip install tensorboard`)"""
     stop_at_step: int = 0
     """save and exit after this iteration, as a preempted run would (for testing resume); 0: never"""
 
@@ -118,6 +120,8 @@ def parse_args(cls):
         p.add_argument(f"--{f.name}", type=str if typing.get_args(f.type) else kind, choices=typing.get_args(f.type)
                        or None, default=f.default, help=f"{docs[f.name]} (default: {f.default!r})")
     args = cls(**vars(p.parse_args()))
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise SystemExit("error: --tensorboard needs the tensorboard package: pip install tensorboard")
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and not args.resume:
         args.resume = "latest"  # torchrun --max-restarts restarted the group: carry on where it stopped
     return args
@@ -158,11 +162,22 @@ def print0(*a):
         tqdm.write(" ".join(str(x) for x in a))
 
 
-def log(metrics, step, out_dir):
-    """Append {"step": ..., "<group>/<name>": ...} to <out_dir>/metrics.jsonl (rank 0)."""
+TENSORBOARD = []  # the SummaryWriter, made by the first log() of a --tensorboard run
+
+
+def log(metrics, step, out_dir, tensorboard=False):
+    """Append {"step": ..., "<group>/<name>": ...} to <out_dir>/metrics.jsonl (rank 0); with tensorboard,
+    the numbers go to TensorBoard event files in <out_dir>/tensorboard/ as well."""
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (checked at start)
+            TENSORBOARD[:] = TENSORBOARD or [SummaryWriter(os.path.join(out_dir, "tensorboard"))]
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):  # not e.g. rollout/responses_sha
+                    TENSORBOARD[0].add_scalar(k, v, step)
+            TENSORBOARD[0].flush()
 
 
 def truncate_log(out_dir, step):
@@ -313,25 +328,6 @@ def values_of(critic, ids, attn, pos, P):
     return critic(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, P - 1:-1, 0].float()
 
 
-def rule_scores(spec, prompts, responses):
-    """Scores [B] from --reward_fn module:function(prompt, response) -> float; failures get one line."""
-    module, _, name = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise SystemExit(f"error: --reward_fn {spec}: expected module:function importable from here ({e})")
-    out = []
-    for p, r in zip(prompts, responses):
-        try:
-            s = fn(p, r)
-        except Exception as e:  # a user's function: any failure becomes one clear line
-            raise SystemExit(f"error: --reward_fn {spec} raised {e!r} on prompt {p!r}, response {r!r}")
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
-            raise SystemExit(f"error: --reward_fn {spec} returned {s!r} for prompt {p!r}; expected a finite number")
-        out.append(float(s))
-    return torch.tensor(out)
-
-
 @torch.no_grad()
 def evaluate(engine, tok, items, scorer, max_new_tokens, device):
     """Mean score of greedy responses to held-out prompts (= accuracy for a 0/1 reward). Collective."""
@@ -378,7 +374,7 @@ def main(args):
 
     def scorer(p_ids, p_texts, responses):  # raw scores [N]; collective with a reward model
         if not args.reward_model:
-            return rule_scores(args.reward_fn, p_texts, tok.batch_decode(responses, skip_special_tokens=True))
+            return task.rule_scores(args.reward_fn, p_texts, tok.batch_decode(responses, skip_special_tokens=True))
         ids, attn, pos, _, _ = rollout.make_batch(p_ids, responses, tok.pad_token_id, device)
         with torch.no_grad():  # HF reads the score at the last non-pad token: EOS or the last one [N RM #1]
             return torch.cat([rm(input_ids=ids[c], attention_mask=attn[c], position_ids=pos[c]).logits[:, 0].float().cpu()
@@ -417,7 +413,7 @@ def main(args):
     elif held_out:
         acc = evaluate(engine, tok, held_out, scorer, args.max_new_tokens, device)
         print0(f"step 0: held-out accuracy {acc:.3f}")
-        log({"eval/accuracy": acc}, 0, args.out_dir)
+        log({"eval/accuracy": acc}, 0, args.out_dir, args.tensorboard)
 
     step, pbar = start, tqdm(total=args.max_steps, initial=start, disable=rank != 0, desc="ppo")
     for step in range(start + 1, args.max_steps + 1):
@@ -513,7 +509,7 @@ def main(args):
         if held_out and (step == args.max_steps or (args.eval_every and step % args.eval_every == 0)):
             metrics["eval/accuracy"] = evaluate(engine, tok, held_out, scorer, args.max_new_tokens, device)
             print0(f"step {step}: held-out accuracy {metrics['eval/accuracy']:.3f}")
-        log(metrics, step, args.out_dir)
+        log(metrics, step, args.out_dir, args.tensorboard)
         if rank == 0 and "eval/accuracy" in metrics:  # a few rows to read, in samples.jsonl
             with open(os.path.join(args.out_dir, "samples.jsonl"), "a") as f:
                 f.writelines(json.dumps({"step": step, "prompt": train[idx[i // n]][1], "score": raw[i].item(), "response":

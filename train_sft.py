@@ -7,7 +7,7 @@ layer, then the root) on one code path for gloo/CPU and NCCL/GPU; checkpoints re
     torchrun --nproc_per_node=2 train_sft.py --out_dir runs/sft [--resume latest]   # embedded task
     torchrun --nproc_per_node=8 train_sft.py --model Qwen/Qwen2.5-0.5B --data my.jsonl
 """
-import argparse, ast, dataclasses, datetime, inspect, json, os, random, signal, sys, time, traceback, typing
+import argparse, ast, dataclasses, datetime, importlib.util, inspect, json, os, random, signal, sys, time, traceback, typing
 
 import numpy as np
 import torch
@@ -64,6 +64,8 @@ class Args:
     """a failed save (disk full, I/O error) stops the run, or warns and trains on; the last good one stays latest"""
     timeout_minutes: float = 30.0
     """a collective waiting longer than this (a peer dead or stuck) fails with an error, not a hang"""
+    tensorboard: bool = False
+    """also write TensorBoard event files to <out_dir>/tensorboard/ (needs `pip install tensorboard`)"""
     stop_at_step: int = 0
     """save and exit after this step, as a preempted run would (for testing resume); 0: never"""
 
@@ -80,6 +82,8 @@ def parse_args(cls):
         p.add_argument(f"--{f.name}", type=str if typing.get_args(f.type) else kind, choices=typing.get_args(f.type)
                        or None, default=f.default, help=f"{docs[f.name]} (default: {f.default!r})")
     args = cls(**vars(p.parse_args()))
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise SystemExit("error: --tensorboard needs the tensorboard package: pip install tensorboard")
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and not args.resume:
         args.resume = "latest"  # torchrun --max-restarts restarted the group: carry on where it stopped
     return args
@@ -120,11 +124,22 @@ def print0(*a):
         tqdm.write(" ".join(str(x) for x in a))
 
 
-def log(metrics, step, out_dir):
-    """Append {"step": ..., "<group>/<name>": ...} to <out_dir>/metrics.jsonl (rank 0)."""
+TENSORBOARD = []  # the SummaryWriter, made by the first log() of a --tensorboard run
+
+
+def log(metrics, step, out_dir, tensorboard=False):
+    """Append {"step": ..., "<group>/<name>": ...} to <out_dir>/metrics.jsonl (rank 0); with tensorboard,
+    the numbers go to TensorBoard event files in <out_dir>/tensorboard/ as well."""
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (checked at start)
+            TENSORBOARD[:] = TENSORBOARD or [SummaryWriter(os.path.join(out_dir, "tensorboard"))]
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):  # not e.g. rollout/responses_sha
+                    TENSORBOARD[0].add_scalar(k, v, step)
+            TENSORBOARD[0].flush()
 
 
 def truncate_log(out_dir, step):
@@ -202,28 +217,6 @@ def sft_loss(logits, labels, n_tokens):
                            ignore_index=-100) / n_tokens
 
 
-@torch.no_grad()
-def evaluate(model, tok, examples, device, batch_size=64):
-    """Exact-match accuracy of greedy decoding. Collective: every rank decodes its share."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = examples[rank::world][:len(examples) // world]  # equal counts: each generate step is collective
-    max_new = max(len(tok(e["response"], add_special_tokens=False).input_ids) for e in examples) + 1
-    model.eval()
-    correct = torch.zeros(1, device=device)
-    for i in range(0, len(mine), batch_size):
-        chunk = mine[i:i + batch_size]
-        enc = tok.pad({"input_ids": [task.encode_prompt(tok, e["prompt"]) for e in chunk]}, padding_side="left",
-                      return_tensors="pt").to(device)
-        # synced_gpus: every forward of a sharded model is a collective; ranks step until all are done
-        out = model.generate(**enc, max_new_tokens=max_new, do_sample=False, synced_gpus=world > 1,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-        texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-        correct += sum(t.strip() == e["response"].strip() for t, e in zip(texts, chunk))
-    model.train()
-    dist.all_reduce(correct)  # sum of every rank's correct answers
-    return correct.item() / (len(mine) * world)
-
-
 def main(args):
     rank, world, device = init_distributed(args.seed, args.timeout_minutes)
     os.makedirs(args.out_dir, exist_ok=True)
@@ -274,9 +267,9 @@ def main(args):
         metrics = {"train/loss": loss_sum.item(), "train/lr": sched.get_last_lr()[0], "train/epoch": epoch,
                    "train/grad_norm": grad_norm.item(), "time/step_s": time.time() - t0}
         if held_out and (step == args.max_steps or (args.eval_every and step % args.eval_every == 0)):
-            metrics["eval/accuracy"] = evaluate(model, tok, held_out, device)
+            metrics["eval/accuracy"] = rollout.greedy_accuracy(model, tok, held_out, device)
             print0(f"step {step}: held-out accuracy {metrics['eval/accuracy']:.3f}")
-        log(metrics, step, args.out_dir)
+        log(metrics, step, args.out_dir, args.tensorboard)
         pbar.update(1)
         pbar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
         save, stop = checkpoint.boundary(step, args.save_every, args.save_every_minutes, bool(SIGNALS), device)
