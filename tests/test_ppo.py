@@ -5,7 +5,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, TORCHRUN, assert_same_tensors, latest, logged_steps, metrics, read_tensors, run, wait_for, workers
+from conftest import (PY, REPO, TORCHRUN, assert_same_tensors, latest, logged_steps, metrics, read_tensors, run,
+                      run_py, wait_for, workers)
 import task
 
 pytestmark = pytest.mark.slow
@@ -89,3 +90,23 @@ def test_sigterm_mid_ppo_saves_and_resume_is_exact(tmp_path, straight, sft_model
     run("train_ppo.py", *args, "--resume", "latest")
     assert_same_tensors(latest(straight), latest(out))
     assert metrics(straight) == metrics(out)
+
+
+def test_export_round_trip(tmp_path, straight):
+    """`python checkpoint.py export` on a PPO checkpoint: the actor loads with plain transformers and plain
+    vLLM (tokenizer and generation config included) and both decode alike; the critic exports too."""
+    actor, critic = tmp_path / "actor", tmp_path / "critic"
+    for role, out in (("actor", actor), ("critic", critic)):
+        p = run_py("checkpoint.py", "export", latest(straight), out, "--role", role)
+        assert p.returncode == 0, p.stderr[-2000:]
+    p = subprocess.run([PY, os.path.join(REPO, "tests", "roundtrip_check.py"), str(actor)], capture_output=True,
+                       text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0 and "ROUNDTRIP_OK" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+    from transformers import AutoModelForTokenClassification
+    value_model = AutoModelForTokenClassification.from_pretrained(critic, num_labels=1)
+    saved = read_tensors(latest(straight))
+    assert torch.equal(value_model.score.weight, saved["critic.model.score.weight"])
+    assert torch.equal(load_file(os.path.join(straight, "hf", "model.safetensors"))["lm_head.weight"],
+                       load_file(actor / "model.safetensors")["lm_head.weight"])  # the run's own export: the same
+    p = run_py("checkpoint.py", "export", latest(straight), tmp_path / "x", "--role", "reward")
+    assert p.returncode != 0 and "--role reward: checkpoint has roles ['actor', 'critic']" in p.stderr
