@@ -11,7 +11,7 @@ Then the training stall: the same steps (forward, backward, AdamW) timed without
 save after the first step, and with --async_save's path (checkpoint.save(async_save=True), committed
 by checkpoint.boundary() at a later step): stall = time beyond the save-free steps.
 """
-import argparse, os, shutil, statistics, sys, tempfile, time
+import argparse, json, os, shutil, statistics, sys, tempfile, time
 
 import torch
 import torch.distributed as dist
@@ -110,6 +110,9 @@ def main():
         print(f"{'load (checkpoint.load)':28}{gb / load_s:8.2f}{gb / read_s:15.2f}{read_s / load_s:8.2f}")
         print(f"\ntraining stall of one save, {steps} steps of {base_s / steps:.2f} s: blocking {block_s - base_s:.2f} s, "
               f"async {async_s - base_s:.2f} s (async/blocking {(async_s - base_s) / (block_s - base_s):.2f})")
+        print("BENCH " + json.dumps({"checkpoint": {"state_gb": gb, "save_gb_s": gb / save_s, "raw_write_gb_s": gb / write_s,
+              "load_gb_s": gb / load_s, "raw_read_gb_s": gb / read_s, "step_s": base_s / steps,
+              "stall_blocking_s": block_s - base_s, "stall_async_s": async_s - base_s}}), flush=True)
         shutil.rmtree(root, ignore_errors=True)
     dist.barrier()  # rank 0 is done with the directory before the group goes away
     dist.destroy_process_group()

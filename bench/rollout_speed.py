@@ -57,6 +57,7 @@ def main():
     if len(sys.argv) == 4:
         return measure(*map(int, sys.argv[1:]))
     print(f"{'model':>16} {'params':>8} {'vLLM tok/s':>11} {'HF tok/s':>9} {'vLLM/HF':>8} {'sync s':>7} {'sync GB/s':>9}")
+    results = []
     for name, (h, l, m) in SIZES.items():
         p = subprocess.run([sys.executable, __file__, str(h), str(l), str(m)], capture_output=True, text=True)
         line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
@@ -66,6 +67,8 @@ def main():
         r = json.loads(line[0][7:])
         print(f"{name:>16} {r['params'] / 1e6:7.1f}M {r['vllm_tok_s']:11.0f} {r['hf_tok_s']:9.0f} "
               f"{r['vllm_tok_s'] / r['hf_tok_s']:8.2f} {r['sync_s']:7.3f} {r['params'] * 4 / 1e9 / r['sync_s']:9.2f}")
+        results.append({"model": name, **r})
+    print("BENCH " + json.dumps({"rollout": results}))
 
 
 if __name__ == "__main__":

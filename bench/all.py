@@ -1,0 +1,72 @@
+"""Every benchmark in one go, on this machine: a table of ratios, written to bench/RESULTS.md too.
+
+    .venv/bin/python bench/all.py [--peer /tmp/trlpeer] [--steps 30]     # about 15 minutes on 2 cores
+
+Runs, one after the other (the machine has 2 cores: never two heavy jobs at once), each under GNU time
+for its peak RSS: bench/vs_trl.py (SFT tokens/s and seconds per GRPO/PPO iteration against Hugging Face
+TRL; the TRL side in its own venv), bench/rollout_speed.py (vLLM vs HF engine) and bench/checkpoint_io.py
+(save/load against the raw disk; async vs blocking save stall). Each ends with a `BENCH {json}` line.
+Ratios are plainrlhf's speedup: above 1, plainrlhf is faster.
+"""
+import argparse, datetime, json, os, platform, re, subprocess, sys, tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+
+def run(cmd):
+    """(the BENCH json, peak RSS MiB of the largest process) of one benchmark."""
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as t:
+        p = subprocess.run(["/usr/bin/time", "-v", "-o", t.name, *cmd], cwd=REPO, capture_output=True, text=True)
+        if p.returncode != 0:
+            sys.exit(f"error: {' '.join(cmd)} failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+        rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", t.read()).group(1)) / 1024
+    print(p.stdout, flush=True)
+    return json.loads([line for line in p.stdout.splitlines() if line.startswith("BENCH ")][-1][6:]), rss
+
+
+def machine():
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    mem = int(next(l.split()[1] for l in open("/proc/meminfo") if l.startswith("MemTotal"))) / 2**20
+    import torch
+    try:
+        import vllm
+        v = vllm.__version__
+    except ImportError:
+        v = "not installed"
+    return (f"{datetime.date.today()}, {cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, no GPU" if not torch.cuda.is_available()
+            else f"{datetime.date.today()}, {torch.cuda.get_device_name()}") + f"; Python {platform.python_version()}, torch {torch.__version__}, vllm {v}"
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--peer", default="/tmp/trlpeer")
+    p.add_argument("--steps", type=int, default=30)
+    a = p.parse_args()
+    trl, trl_rss = run([sys.executable, os.path.join(HERE, "vs_trl.py"), "--peer", a.peer, "--steps", str(a.steps)])
+    roll, roll_rss = run([sys.executable, os.path.join(HERE, "rollout_speed.py")])
+    ck, ck_rss = run([TORCHRUN, "--standalone", "--nproc_per_node=2", os.path.join(HERE, "checkpoint_io.py")])
+    ck = ck["checkpoint"]
+    rows = [(r["row"], f"{r['trl']:.3g}", f"{r['ours']:.3g}", f"**{r['ratio']:.2f}**", f"TRL {r['trl_rss_mib']:.0f} / ours {r['ours_rss_mib']:.0f}")
+            for r in trl["vs_trl"]]
+    rows += [(f"rollout tokens/s, {r['model']} ({r['params'] / 1e6:.1f}M params): vLLM engine vs HF engine", f"{r['hf_tok_s']:.0f}",
+              f"{r['vllm_tok_s']:.0f}", f"**{r['vllm_tok_s'] / r['hf_tok_s']:.2f}**", f"{roll_rss:.0f} (both engines)") for r in roll["rollout"]]
+    rows += [(f"checkpoint save GB/s ({ck['state_gb']:.2f} GB, 2 ranks) vs raw disk write", f"{ck['raw_write_gb_s']:.2f}",
+              f"{ck['save_gb_s']:.2f}", f"**{ck['save_gb_s'] / ck['raw_write_gb_s']:.2f}**", f"{ck_rss:.0f} per rank"),
+             (f"checkpoint load GB/s vs raw disk read (page cache)", f"{ck['raw_read_gb_s']:.2f}", f"{ck['load_gb_s']:.2f}",
+              f"**{ck['load_gb_s'] / ck['raw_read_gb_s']:.2f}**", ""),
+             (f"training stall of one save (s; steps of {ck['step_s']:.2f} s): async vs blocking", f"{ck['stall_blocking_s']:.2f}",
+              f"{ck['stall_async_s']:.2f}", f"**{ck['stall_blocking_s'] / ck['stall_async_s']:.2f}**", "")]
+    table = ["| measurement | peer / limit | plainrlhf | ratio | peak RSS MiB |", "|---|---|---|---|---|"]
+    table += ["| " + " | ".join(r) + " |" for r in rows]
+    text = (f"# Benchmark results\n\nMachine: {machine()}.\nCommand: `.venv/bin/python bench/all.py` (one run; "
+            f"ratio = plainrlhf's speedup, above 1 is faster; for the disk rows, the share of the physical limit).\n\n"
+            + "\n".join(table) + "\n\nRaw numbers:\n\n```json\n" + json.dumps({**trl, **roll, "checkpoint": ck}, indent=1) + "\n```\n")
+    open(os.path.join(HERE, "RESULTS.md"), "w").write(text)
+    print("\n".join(table))
+    print(f"\nwritten to {os.path.join(HERE, 'RESULTS.md')}")
+
+
+if __name__ == "__main__":
+    main()
