@@ -135,7 +135,8 @@ def log(metrics, step, out_dir, tensorboard=False):
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (checked at start)
-            TENSORBOARD[:] = TENSORBOARD or [SummaryWriter(os.path.join(out_dir, "tensorboard"))]
+            # purge_step: TensorBoard hides what a killed predecessor logged from this step on (we redo it)
+            TENSORBOARD[:] = TENSORBOARD or [SummaryWriter(os.path.join(out_dir, "tensorboard"), purge_step=step)]
             for k, v in metrics.items():
                 if isinstance(v, (int, float)):  # not e.g. rollout/responses_sha
                     TENSORBOARD[0].add_scalar(k, v, step)

@@ -44,25 +44,32 @@ def main():
     p.add_argument("--peer", default="/tmp/trlpeer")
     p.add_argument("--steps", type=int, default=30)
     a = p.parse_args()
-    trl, trl_rss = run([sys.executable, os.path.join(HERE, "vs_trl.py"), "--peer", a.peer, "--steps", str(a.steps)])
+    trl, _ = run([sys.executable, os.path.join(HERE, "vs_trl.py"), "--peer", a.peer, "--steps", str(a.steps)])
     roll, roll_rss = run([sys.executable, os.path.join(HERE, "rollout_speed.py")])
     ck, ck_rss = run([TORCHRUN, "--standalone", "--nproc_per_node=2", os.path.join(HERE, "checkpoint_io.py")])
-    ck = ck["checkpoint"]
-    rows = [(r["row"], f"{r['trl']:.3g}", f"{r['ours']:.3g}", f"**{r['ratio']:.2f}**", f"TRL {r['trl_rss_mib']:.0f} / ours {r['ours_rss_mib']:.0f}")
-            for r in trl["vs_trl"]]
-    rows += [(f"rollout tokens/s, {r['model']} ({r['params'] / 1e6:.1f}M params): vLLM engine vs HF engine", f"{r['hf_tok_s']:.0f}",
-              f"{r['vllm_tok_s']:.0f}", f"**{r['vllm_tok_s'] / r['hf_tok_s']:.2f}**", f"{roll_rss:.0f} (both engines)") for r in roll["rollout"]]
-    rows += [(f"checkpoint save GB/s ({ck['state_gb']:.2f} GB, 2 ranks) vs raw disk write", f"{ck['raw_write_gb_s']:.2f}",
-              f"{ck['save_gb_s']:.2f}", f"**{ck['save_gb_s'] / ck['raw_write_gb_s']:.2f}**", f"{ck_rss:.0f} per rank"),
-             (f"checkpoint load GB/s vs raw disk read (page cache)", f"{ck['raw_read_gb_s']:.2f}", f"{ck['load_gb_s']:.2f}",
+    write({**trl, **roll, **ck, "rollout_rss_mib": roll_rss, "checkpoint_rss_mib": ck_rss, "machine": machine()})
+
+
+def write(raw):
+    """The table (printed, and in bench/RESULTS.md with the raw numbers) from the benchmarks' results."""
+    num = lambda x: f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+    ck = raw["checkpoint"]
+    rows = [(r["row"], num(r["trl"]), num(r["ours"]), f"**{r['ratio']:.2f}**", f"TRL {r['trl_rss_mib']:.0f} / ours {r['ours_rss_mib']:.0f}")
+            for r in raw["vs_trl"]]
+    rows += [(f"rollout tokens/s, {r['params'] / 1e6:.1f}M-parameter Llama: vLLM engine vs HF engine", num(r["hf_tok_s"]),
+              num(r["vllm_tok_s"]), f"**{r['vllm_tok_s'] / r['hf_tok_s']:.2f}**", f"{raw['rollout_rss_mib']:.0f} (both engines)")
+             for r in raw["rollout"]]
+    rows += [(f"checkpoint save GB/s ({ck['state_gb']:.2f} GB, 2 ranks) vs raw disk write", num(ck["raw_write_gb_s"]),
+              num(ck["save_gb_s"]), f"**{ck['save_gb_s'] / ck['raw_write_gb_s']:.2f}**", f"{raw['checkpoint_rss_mib']:.0f} per rank"),
+             ("checkpoint load GB/s vs raw disk read (page cache)", num(ck["raw_read_gb_s"]), num(ck["load_gb_s"]),
               f"**{ck['load_gb_s'] / ck['raw_read_gb_s']:.2f}**", ""),
-             (f"training stall of one save (s; steps of {ck['step_s']:.2f} s): async vs blocking", f"{ck['stall_blocking_s']:.2f}",
-              f"{ck['stall_async_s']:.2f}", f"**{ck['stall_blocking_s'] / ck['stall_async_s']:.2f}**", "")]
+             (f"training stall of one save, s (steps of {ck['step_s']:.2f} s): blocking vs async", num(ck["stall_blocking_s"]),
+              num(ck["stall_async_s"]), f"**{ck['stall_blocking_s'] / ck['stall_async_s']:.2f}**", "")]
     table = ["| measurement | peer / limit | plainrlhf | ratio | peak RSS MiB |", "|---|---|---|---|---|"]
     table += ["| " + " | ".join(r) + " |" for r in rows]
-    text = (f"# Benchmark results\n\nMachine: {machine()}.\nCommand: `.venv/bin/python bench/all.py` (one run; "
-            f"ratio = plainrlhf's speedup, above 1 is faster; for the disk rows, the share of the physical limit).\n\n"
-            + "\n".join(table) + "\n\nRaw numbers:\n\n```json\n" + json.dumps({**trl, **roll, "checkpoint": ck}, indent=1) + "\n```\n")
+    text = (f"# Benchmark results\n\nMachine: {raw['machine']}.\nCommand: `.venv/bin/python bench/all.py` (one run; "
+            "ratio: plainrlhf's speedup, above 1 is faster; for the disk rows, the share of the physical limit).\n\n"
+            + "\n".join(table) + "\n\nRaw numbers:\n\n```json\n" + json.dumps(raw, indent=1) + "\n```\n")
     open(os.path.join(HERE, "RESULTS.md"), "w").write(text)
     print("\n".join(table))
     print(f"\nwritten to {os.path.join(HERE, 'RESULTS.md')}")

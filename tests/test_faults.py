@@ -154,3 +154,11 @@ def test_a_stuck_peer_is_an_error_naming_rank_and_collective(tmp_path, addition_
     op = line.split("collective ")[1].split()[0]
     assert any(c in op for c in ("all_reduce", "barrier", "all_gather", "broadcast", "reduce_scatter")), line
     assert "called at train_sft.py:" in line and "Timed out" in line and "peer dead or hung" in line, line
+
+
+def test_save_every_minutes_saves_by_wall_time(tmp_path, addition_jsonl):
+    """--save_every_minutes adds saves by rank 0's clock to the step-count ones (here: after every step)."""
+    out = str(tmp_path)
+    run("train_sft.py", *sft(out, addition_jsonl, "--save_every_minutes", 1e-6, "--keep_last", 0, "--max_steps", 4))
+    assert sorted(n for n in os.listdir(os.path.join(out, "checkpoints")) if n.startswith("step-")) == \
+        [f"step-{s:08d}" for s in range(1, 5)]
