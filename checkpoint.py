@@ -108,8 +108,7 @@ _pending, _last_save, _async_group = [], [time.monotonic()], []  # [the save in 
 
 
 def _agree(fn, tmp, on_error):
-    """Collective: run fn, learn every rank's outcome; on a failure anywhere remove the temp dir and raise
-    on every rank (a rank going on alone would hang), or with on_error "warn" return False."""
+    """Collective: run fn; on a failure on any rank, remove the temp dir and raise on all (or warn: False)."""
     err = None
     try:
         fn()
@@ -180,8 +179,7 @@ def commit():
 
 
 def boundary(step, every, minutes, signalled, device):
-    """Collective, at every step's end: (save now?, stop now?) for all ranks, from a signal on any rank,
-    rank 0's clock (every `minutes`) or the step count. Commits a finished async save."""
+    """Collective, at every step's end: (save?, stop?), one answer for all ranks; commits a finished async save."""
     busy = bool(_pending and _pending[0][0] and not _pending[0][0].done())
     clock = dist.get_rank() == 0 and minutes > 0 and time.monotonic() - _last_save[0] >= 60 * minutes
     flags = torch.tensor([signalled, clock, busy], dtype=torch.float32, device=device)
@@ -202,6 +200,8 @@ def resolve(out_dir, resume):
             choice[0] = verify(resume) and resume  # --resume PATH: that one or a clear error
         except CheckpointError as e:
             choice[1] = str(e)
+    elif dist.get_rank() == 0 and _step_dirs(root)[0] and not resume:  # a fresh start must not mix with them
+        choice[1] = f"{root} holds an earlier run's checkpoints: --resume latest continues it; or use another --out_dir"
     elif dist.get_rank() == 0 and resume:
         names, top = _step_dirs(root)
         for n in [top] + [n for n in names if int(n[5:]) < int(top[5:])] if top in names else names:

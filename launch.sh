@@ -56,8 +56,9 @@ case "$cmd" in
   test) setup; exec "$PY" -m pytest "$@" ;;
   demo)  # the SFT budget leaves PPO room to improve (README: measured numbers)
     setup
-    run_torchrun train_sft.py --out_dir runs/demo/sft --max_steps 400
-    run_torchrun train_ppo.py --model runs/demo/sft/hf --out_dir runs/demo/ppo
+    # --resume latest: a second demo (or one that was stopped) continues; rm -rf runs/demo starts over
+    run_torchrun train_sft.py --out_dir runs/demo/sft --max_steps 400 --resume latest
+    run_torchrun train_ppo.py --model runs/demo/sft/hf --out_dir runs/demo/ppo --resume latest
     "$PY" - <<'PY'
 import json
 acc = lambda p: [r["eval/accuracy"] for r in map(json.loads, open(p)) if "eval/accuracy" in r]

@@ -51,6 +51,14 @@ def test_overlong_example(tmp_path):
     assert_one_line_error(p, "long.jsonl:2", "longer than the model's context")
 
 
+def test_a_fresh_run_does_not_mix_with_an_earlier_one(tmp_path):
+    args = ("--out_dir", tmp_path, "--max_steps", 1, "--train_batch_size", 8, "--micro_batch_size", 8, "--eval_samples", 8)
+    assert run_py("train_sft.py", *args).returncode == 0
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert_one_line_error(run_py("train_sft.py", *args), "holds an earlier run's checkpoints", "--resume latest")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before  # nothing lost or added
+
+
 def test_resume_with_changed_settings(tmp_path):
     args = ("--out_dir", tmp_path, "--max_steps", 1, "--train_batch_size", 8, "--micro_batch_size", 8,
             "--eval_samples", 8)
