@@ -20,3 +20,14 @@ def test_sft_resume_exact_on_gpu(tmp_path, addition_jsonl):
     for x, y in zip(metrics(a), metrics(b), strict=True):
         assert x["step"] == y["step"] and abs(x["train/loss"] - y["train/loss"]) < 1e-2
     assert open(latest(a) + "/meta.json").read().count("consumed_samples") == 1
+
+
+def test_async_save_on_nccl(tmp_path, addition_jsonl):
+    """--async_save on NCCL: DCP stages the CUDA state to CPU and writes it on a gloo group of its own."""
+    n = min(2, torch.cuda.device_count())
+    args = ("--data", addition_jsonl, "--train_batch_size", 16, "--micro_batch_size", 4, "--max_steps", 6,
+            "--eval_every", 0, "--save_every", 1, "--async_save", "true", "--out_dir", str(tmp_path))
+    run("train_sft.py", *args, "--stop_at_step", 3, nproc=n)
+    assert latest(str(tmp_path)).endswith("step-00000003")
+    run("train_sft.py", *args, "--resume", "latest", nproc=n)
+    assert [r["step"] for r in metrics(str(tmp_path))] == list(range(1, 7))
