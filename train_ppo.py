@@ -7,7 +7,7 @@ baselines over each prompt's samples (Shao et al. 2024, DeepSeekMath; Ahmadian e
 
     torchrun --nproc_per_node=2 train_ppo.py --model runs/sft/hf --out_dir runs/ppo [--resume latest]
 """
-import argparse, ast, dataclasses, datetime, importlib.util, inspect, json, os, random, signal, sys, time, traceback, typing
+import argparse, ast, dataclasses, datetime, gc, importlib.util, inspect, json, os, random, signal, sys, time, traceback, typing
 
 import numpy as np
 import torch
@@ -217,6 +217,9 @@ def run(main, cls):
     """main(parse_args(cls)); a bad checkpoint or a failed collective ends in one line naming them."""
     try:
         main(parse_args(cls))
+        # FSDP modules sit in reference cycles: free them (and the gloo work objects they hold) now, not
+        # while the interpreter shuts down: that aborted a rank twice in ~150 runs here (cf. pytorch#179291)
+        gc.collect()
     except checkpoint.CheckpointError as e:
         raise SystemExit(f"error: {e}")
     except (RuntimeError, dist.DistError) as e:  # gloo/NCCL failures name neither the op nor the rank

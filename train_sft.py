@@ -7,7 +7,7 @@ layer, then the root) on one code path for gloo/CPU and NCCL/GPU; checkpoints re
     torchrun --nproc_per_node=2 train_sft.py --out_dir runs/sft [--resume latest]   # embedded task
     torchrun --nproc_per_node=8 train_sft.py --model Qwen/Qwen2.5-0.5B --data my.jsonl
 """
-import argparse, ast, dataclasses, datetime, importlib.util, inspect, json, os, random, signal, sys, time, traceback, typing
+import argparse, ast, dataclasses, datetime, gc, importlib.util, inspect, json, os, random, signal, sys, time, traceback, typing
 
 import numpy as np
 import torch
@@ -179,6 +179,9 @@ def run(main, cls):
     """main(parse_args(cls)); a bad checkpoint or a failed collective ends in one line naming them."""
     try:
         main(parse_args(cls))
+        # FSDP modules sit in reference cycles: free them (and the gloo work objects they hold) now, not
+        # while the interpreter shuts down: that aborted a rank twice in ~150 runs here (cf. pytorch#179291)
+        gc.collect()
     except checkpoint.CheckpointError as e:
         raise SystemExit(f"error: {e}")
     except (RuntimeError, dist.DistError) as e:  # gloo/NCCL failures name neither the op nor the rank
