@@ -2,7 +2,8 @@
 # plainrlhf launcher.
 #   ./launch.sh setup            create .venv/ and install the stack (idempotent; reused when current)
 #   ./launch.sh demo             setup, then the main job on the embedded task: SFT, then PPO from it
-#   ./launch.sh test [pytest args]   setup, then the test suite (`-m "not slow"` for a quick run)
+#   ./launch.sh test [pytest args]   setup, ruff check + ruff format --check, then the test suite
+#                                    (`-m "not slow"` for a quick run)
 #   ./launch.sh sft|ppo [args]   torchrun train_sft.py / train_ppo.py: one process per GPU, or 2 on CPU
 #   ./launch.sh plot RUN [PNG]   score, KL and accuracy curves of a run (matplotlib)
 #
@@ -53,7 +54,11 @@ run_torchrun() {
 cmd=${1:-}; shift || true
 case "$cmd" in
   setup) setup ;;
-  test) setup; exec "$PY" -m pytest "$@" ;;
+  test)  # the house style first (ruff.toml; tests/test_style.py has the rest), then the suite
+    setup
+    .venv/bin/ruff check .
+    .venv/bin/ruff format --check .
+    exec "$PY" -m pytest "$@" ;;
   demo)  # the SFT budget leaves PPO room to improve (README: measured numbers)
     setup
     # --resume latest: a second demo (or one that was stopped) continues; rm -rf runs/demo starts over

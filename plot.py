@@ -3,9 +3,19 @@ run's metrics.jsonl. Needs matplotlib, an optional extra (`pip install matplotli
 
     ./launch.sh plot runs/demo/ppo [out.png]      # default: <run>/curves.png
 """
-import json, os, sys
 
-KEYS = ["objective/score", "objective/kl", "eval/accuracy", "train/loss", "policy/clipfrac", "val/loss"]
+import json
+import os
+import sys
+
+KEYS = [
+    "objective/score",
+    "objective/kl",
+    "eval/accuracy",
+    "train/loss",
+    "policy/clipfrac",
+    "val/loss",
+]
 
 
 def main(run_dir, out=None):
@@ -14,11 +24,13 @@ def main(run_dir, out=None):
         sys.exit(f"error: {path}: no such file (expected a run's --out_dir)")
     try:
         import matplotlib
+
         matplotlib.use("Agg")  # files only: no display needed
         import matplotlib.pyplot as plt
     except ImportError:
         sys.exit("error: plot needs matplotlib: pip install matplotlib")
-    rows = [json.loads(line) for line in open(path) if line.endswith("}\n")]  # (a kill can cut the last line)
+    # whole lines only (a kill can cut the last line)
+    rows = [json.loads(line) for line in open(path) if line.endswith("}\n")]
     keys = [k for k in KEYS if any(k in r for r in rows)]
     if not keys:
         sys.exit(f"error: {path}: none of {', '.join(KEYS)} logged yet")
@@ -31,7 +43,8 @@ def main(run_dir, out=None):
         ax.grid(alpha=0.3)
     fig.suptitle(os.path.normpath(run_dir), fontsize=10)
     fig.tight_layout()
-    fig.savefig(out := out or os.path.join(run_dir, "curves.png"), dpi=100)
+    out = out or os.path.join(run_dir, "curves.png")
+    fig.savefig(out, dpi=100)
     print(f"wrote {out}")
 
 

@@ -6,16 +6,14 @@ download. The task is verifiable, which gives PPO a rule reward (`reward_fn`, th
 
     python task.py make-assets   # (re)write assets/tiny-llama/{config,tokenizer}.json (committed)
 
-A user's data comes in the same shape: `load_jsonl` reads it, `encode_prompt` tokenizes a prompt (through
-the chat template when there is one), `batch_indices` fixes the order both scripts read it in.
+A user's data comes in the same shape ({"prompt", "response"} rows); common.py reads it.
 
-The tiny model's weights are not committed: `ensure_tiny_model()` initialises them from the committed
-config with a fixed seed the first time the default `--model` is used, and saves an ordinary HF
-folder, so it loads through `from_pretrained` exactly like a user's model.
+The tiny model's weights are not committed: `ensure_tiny_model()` initialises them from the
+committed config with a fixed seed the first time the default `--model` is used, and saves an
+ordinary HF folder, so it loads through `from_pretrained` exactly like a user's model.
 """
-import importlib
+
 import json
-import math
 import os
 import random
 import sys
@@ -23,9 +21,9 @@ import sys
 import torch
 
 TINY_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-llama")
-DIGITS = 2          # operands in [0, 10**DIGITS)
-N_HELD_OUT = 1000   # pairs kept out of training, for eval
-SPLIT_SEED = 1234   # fixed: the split must not depend on --seed, or runs would not be comparable
+DIGITS = 2  # operands in [0, 10**DIGITS)
+N_HELD_OUT = 1000  # pairs kept out of training, for eval
+SPLIT_SEED = 1234  # fixed: the split must not depend on --seed, or runs would not be comparable
 
 
 def _pairs():
@@ -42,98 +40,80 @@ def make_split(split):
 
 
 def reward_fn(prompt, response):
-    """1.0 when the response is the right sum, else 0.0. `response` is the decoded text, EOS removed."""
+    """1.0 when the response is the right sum, else 0.0. `response` is the decoded text, EOS
+    removed."""
     a, b = prompt.strip().rstrip("=").split("+")
     return 1.0 if response.strip() == str(int(a) + int(b)) else 0.0
 
 
-# ---- the tiny model's assets ----------------------------------------------------------------------
-# A character-level tokenizer: one token per printable ASCII character, and four specials. PAD is its
-# own token, distinct from EOS (Huang et al. 2023, "N implementation details", general #2): with
-# pad == eos the EOS gets masked out and the model never learns to stop.
+# ---- the tiny model's assets ---------------------------------------------------------------------
+# A character-level tokenizer: one token per printable ASCII character, and four specials. PAD is
+# its own token, distinct from EOS (Huang et al. 2023, "N implementation details", general #2):
+# with pad == eos the EOS gets masked out and the model never learns to stop.
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = [chr(c) for c in range(32, 127)]
 
 
-# ---- a user's data in the same shape, and its order --------------------------------------------
-def load_jsonl(path, fields):
-    """The rows of a JSONL file, each an object with string `fields`; errors name file and line."""
-    if not os.path.isfile(path):
-        raise SystemExit(f"error: {path}: no such file")
-    rows = []
-    for n, line in enumerate(open(path), 1):
-        try:
-            rows += [json.loads(line)] if line.strip() else []
-        except ValueError as e:
-            raise SystemExit(f"error: {path}:{n}: not valid JSON ({e})")
-        for k in fields if line.strip() else []:
-            if not isinstance(rows[-1], dict) or not isinstance(rows[-1].get(k), str):
-                raise SystemExit(f"error: {path}:{n}: expected a string field {k!r}")
-    if not rows:
-        raise SystemExit(f"error: {path}: no examples")
-    return rows
-
-
-def encode_prompt(tok, prompt):
-    """Token ids of a prompt: the chat template's user turn when the tokenizer has one."""
-    if tok.chat_template:
-        return tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)["input_ids"]
-    return tok(prompt).input_ids
-
-
-def batch_indices(step, n, batch_size, seed):
-    """Global example indices of optimizer step `step`: a pure function of (seed, step), so resuming at
-    any step (or on another world size) lands on exactly the same data; no sampler state to lose."""
-    per_epoch = n // batch_size  # the incomplete last batch of an epoch is dropped
-    epoch, i = divmod(step, per_epoch)
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-    return perm[i * batch_size:(i + 1) * batch_size].tolist(), epoch
-
-
-def rule_scores(spec, prompts, responses):
-    """Scores [B] from --reward_fn module:function(prompt, response) -> float; failures get one line."""
-    module, _, name = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise SystemExit(f"error: --reward_fn {spec}: expected module:function importable from here ({e})")
-    out = []
-    for p, r in zip(prompts, responses):
-        try:
-            s = fn(p, r)
-        except Exception as e:  # a user's function: any failure becomes one clear line
-            raise SystemExit(f"error: --reward_fn {spec} raised {e!r} on prompt {p!r}, response {r!r}")
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
-            raise SystemExit(f"error: --reward_fn {spec} returned {s!r} for prompt {p!r}; expected a finite number")
-        out.append(float(s))
-    return torch.tensor(out)
-
-
 def make_assets(path=TINY_MODEL):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
+    """Write the tiny model's tokenizer, config and generation config (not its weights)."""
+    from transformers import GenerationConfig
+
+    make_tokenizer(path)
+    make_config(path)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(path)
+
+
+def make_tokenizer(path):
+    from tokenizers import Regex
+    from tokenizers import Tokenizer
+    from tokenizers import decoders
+    from tokenizers import models
+    from tokenizers import pre_tokenizers
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every char a token
     tok.decoder = decoders.Fuse()  # join the characters back without spaces
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
-                                     eos_token="</s>", unk_token="<unk>", padding_side="left")
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
     hf_tok.model_max_length = 64
     hf_tok.save_pretrained(path)
-    cfg_path = os.path.join(path, "tokenizer_config.json")  # a class name transformers 4.x knows too
+    # A tokenizer class name that transformers 4.x knows too.
+    cfg_path = os.path.join(path, "tokenizer_config.json")
     cfg = json.load(open(cfg_path))
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=2)
+
+
+def make_config(path):
+    from transformers import LlamaConfig
+
     # head_dim 64: a size every attention backend (vLLM's CPU one included) supports.
-    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-                         dtype="float32")
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
     config.save_pretrained(path)
-    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(path)
 
 
 def ensure_tiny_model(path=TINY_MODEL, seed=0):
@@ -141,13 +121,13 @@ def ensure_tiny_model(path=TINY_MODEL, seed=0):
     weights = os.path.join(path, "model.safetensors")
     if os.path.exists(weights):
         return
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from safetensors.torch import save_model
+    from transformers import AutoConfig
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     tmp = f"{weights}.tmp{os.getpid()}"
-    from safetensors.torch import save_model
     save_model(model, tmp, metadata={"format": "pt"})
     os.replace(tmp, weights)  # atomic: concurrent callers each write a full file, one wins
 

@@ -1,14 +1,23 @@
 """Every benchmark in one go, on this machine: a table of ratios, written to bench/RESULTS.md too.
 
-    .venv/bin/python bench/all.py [--peer /tmp/trlpeer] [--steps 30]     # about 15 minutes on 2 cores
+    .venv/bin/python bench/all.py [--peer /tmp/trlpeer] [--steps 30]  # about 15 minutes on 2 cores
 
-Runs, one after the other (the machine has 2 cores: never two heavy jobs at once), each under GNU time
-for its peak RSS: bench/vs_trl.py (SFT tokens/s and seconds per GRPO/PPO iteration against Hugging Face
-TRL; the TRL side in its own venv), bench/rollout_speed.py (vLLM vs HF engine) and bench/checkpoint_io.py
-(save/load against the raw disk; async vs blocking save stall). Each ends with a `BENCH {json}` line.
-Ratios are plainrlhf's speedup: above 1, plainrlhf is faster.
+Runs, one after the other (the machine has 2 cores: never two heavy jobs at once), each under GNU
+time for its peak RSS: bench/vs_trl.py (SFT tokens/s and seconds per GRPO/PPO iteration against
+Hugging Face TRL; the TRL side in its own venv), bench/rollout_speed.py (vLLM vs HF engine) and
+bench/checkpoint_io.py (save/load against the raw disk; async vs blocking save stall). Each ends
+with a `BENCH {json}` line. Ratios are plainrlhf's speedup: above 1, plainrlhf is faster.
 """
-import argparse, datetime, json, os, platform, re, subprocess, sys, tempfile
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -18,25 +27,37 @@ TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 def run(cmd):
     """(the BENCH json, peak RSS MiB of the largest process) of one benchmark."""
     with tempfile.NamedTemporaryFile("r", suffix=".time") as t:
-        p = subprocess.run(["/usr/bin/time", "-v", "-o", t.name, *cmd], cwd=REPO, capture_output=True, text=True)
+        timed = ["/usr/bin/time", "-v", "-o", t.name, *cmd]
+        p = subprocess.run(timed, cwd=REPO, capture_output=True, text=True)
         if p.returncode != 0:
             sys.exit(f"error: {' '.join(cmd)} failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
-        rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", t.read()).group(1)) / 1024
+        found = re.search(r"Maximum resident set size \(kbytes\): (\d+)", t.read())
+        rss = int(found.group(1)) / 1024
     print(p.stdout, flush=True)
-    return json.loads([line for line in p.stdout.splitlines() if line.startswith("BENCH ")][-1][6:]), rss
+    bench_lines = [line for line in p.stdout.splitlines() if line.startswith("BENCH ")]
+    return json.loads(bench_lines[-1][6:]), rss
 
 
 def machine():
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
-    mem = int(next(l.split()[1] for l in open("/proc/meminfo") if l.startswith("MemTotal"))) / 2**20
+    models = (line for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    cpu = next((line.split(":", 1)[1].strip() for line in models), "?")
+    totals = (line for line in open("/proc/meminfo") if line.startswith("MemTotal"))
+    mem = int(next(totals).split()[1]) / 2**20
     import torch
+
     try:
         import vllm
+
         v = vllm.__version__
     except ImportError:
         v = "not installed"
-    return (f"{datetime.date.today()}, {cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, no GPU" if not torch.cuda.is_available()
-            else f"{datetime.date.today()}, {torch.cuda.get_device_name()}") + f"; Python {platform.python_version()}, torch {torch.__version__}, vllm {v}"
+    today = datetime.date.today()
+    if not torch.cuda.is_available():
+        where = f"{today}, {cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, no GPU"
+    else:
+        where = f"{today}, {torch.cuda.get_device_name()}"
+    versions = f"Python {platform.python_version()}, torch {torch.__version__}, vllm {v}"
+    return where + "; " + versions
 
 
 def main():
@@ -44,32 +65,80 @@ def main():
     p.add_argument("--peer", default="/tmp/trlpeer")
     p.add_argument("--steps", type=int, default=30)
     a = p.parse_args()
-    trl, _ = run([sys.executable, os.path.join(HERE, "vs_trl.py"), "--peer", a.peer, "--steps", str(a.steps)])
+    vs_trl = os.path.join(HERE, "vs_trl.py")
+    trl, _ = run([sys.executable, vs_trl, "--peer", a.peer, "--steps", str(a.steps)])
     roll, roll_rss = run([sys.executable, os.path.join(HERE, "rollout_speed.py")])
-    ck, ck_rss = run([TORCHRUN, "--standalone", "--nproc_per_node=2", os.path.join(HERE, "checkpoint_io.py")])
-    write({**trl, **roll, **ck, "rollout_rss_mib": roll_rss, "checkpoint_rss_mib": ck_rss, "machine": machine()})
+    checkpoint_io = os.path.join(HERE, "checkpoint_io.py")
+    ck, ck_rss = run([TORCHRUN, "--standalone", "--nproc_per_node=2", checkpoint_io])
+    raw = {**trl, **roll, **ck, "rollout_rss_mib": roll_rss, "checkpoint_rss_mib": ck_rss}
+    raw["machine"] = machine()
+    write(raw)
 
 
 def write(raw):
-    """The table (printed, and in bench/RESULTS.md with the raw numbers) from the benchmarks' results."""
-    num = lambda x: f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+    """The table (printed, and in bench/RESULTS.md with the raw numbers)
+    from the benchmarks' results."""
+
+    def num(x):
+        return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
     ck = raw["checkpoint"]
-    rows = [(r["row"], num(r["trl"]), num(r["ours"]), f"**{r['ratio']:.2f}**", f"TRL {r['trl_rss_mib']:.0f} / ours {r['ours_rss_mib']:.0f}")
-            for r in raw["vs_trl"]]
-    rows += [(f"rollout tokens/s, {r['params'] / 1e6:.1f}M-parameter Llama: vLLM engine vs HF engine", num(r["hf_tok_s"]),
-              num(r["vllm_tok_s"]), f"**{r['vllm_tok_s'] / r['hf_tok_s']:.2f}**", f"{raw['rollout_rss_mib']:.0f} (both engines)")
-             for r in raw["rollout"]]
-    rows += [(f"checkpoint save GB/s ({ck['state_gb']:.2f} GB, 2 ranks) vs raw disk write", num(ck["raw_write_gb_s"]),
-              num(ck["save_gb_s"]), f"**{ck['save_gb_s'] / ck['raw_write_gb_s']:.2f}**", f"{raw['checkpoint_rss_mib']:.0f} per rank"),
-             ("checkpoint load GB/s vs raw disk read (page cache)", num(ck["raw_read_gb_s"]), num(ck["load_gb_s"]),
-              f"**{ck['load_gb_s'] / ck['raw_read_gb_s']:.2f}**", ""),
-             (f"training stall of one save, s (steps of {ck['step_s']:.2f} s): blocking vs async", num(ck["stall_blocking_s"]),
-              num(ck["stall_async_s"]), f"**{ck['stall_blocking_s'] / ck['stall_async_s']:.2f}**", "")]
-    table = ["| measurement | peer / limit | plainrlhf | ratio | peak RSS MiB |", "|---|---|---|---|---|"]
+    rows = [
+        (
+            r["row"],
+            num(r["trl"]),
+            num(r["ours"]),
+            f"**{r['ratio']:.2f}**",
+            f"TRL {r['trl_rss_mib']:.0f} / ours {r['ours_rss_mib']:.0f}",
+        )
+        for r in raw["vs_trl"]
+    ]
+    rows += [
+        (
+            f"rollout tokens/s, {r['params'] / 1e6:.1f}M-parameter Llama: vLLM engine vs HF engine",
+            num(r["hf_tok_s"]),
+            num(r["vllm_tok_s"]),
+            f"**{r['vllm_tok_s'] / r['hf_tok_s']:.2f}**",
+            f"{raw['rollout_rss_mib']:.0f} (both engines)",
+        )
+        for r in raw["rollout"]
+    ]
+    rows += [
+        (
+            f"checkpoint save GB/s ({ck['state_gb']:.2f} GB, 2 ranks) vs raw disk write",
+            num(ck["raw_write_gb_s"]),
+            num(ck["save_gb_s"]),
+            f"**{ck['save_gb_s'] / ck['raw_write_gb_s']:.2f}**",
+            f"{raw['checkpoint_rss_mib']:.0f} per rank",
+        ),
+        (
+            "checkpoint load GB/s vs raw disk read (page cache)",
+            num(ck["raw_read_gb_s"]),
+            num(ck["load_gb_s"]),
+            f"**{ck['load_gb_s'] / ck['raw_read_gb_s']:.2f}**",
+            "",
+        ),
+        (
+            f"training stall of one save, s (steps of {ck['step_s']:.2f} s): blocking vs async",
+            num(ck["stall_blocking_s"]),
+            num(ck["stall_async_s"]),
+            f"**{ck['stall_blocking_s'] / ck['stall_async_s']:.2f}**",
+            "",
+        ),
+    ]
+    table = [
+        "| measurement | peer / limit | plainrlhf | ratio | peak RSS MiB |",
+        "|---|---|---|---|---|",
+    ]
     table += ["| " + " | ".join(r) + " |" for r in rows]
-    text = (f"# Benchmark results\n\nMachine: {raw['machine']}.\nCommand: `.venv/bin/python bench/all.py` (one run; "
-            "ratio: plainrlhf's speedup, above 1 is faster; for the disk rows, the share of the physical limit).\n\n"
-            + "\n".join(table) + "\n\nRaw numbers:\n\n```json\n" + json.dumps(raw, indent=1) + "\n```\n")
+    header = (
+        f"# Benchmark results\n\nMachine: {raw['machine']}.\n"
+        "Command: `.venv/bin/python bench/all.py` (one run; "
+        "ratio: plainrlhf's speedup, above 1 is faster; "
+        "for the disk rows, the share of the physical limit).\n\n"
+    )
+    raw_numbers = "\n\nRaw numbers:\n\n```json\n" + json.dumps(raw, indent=1) + "\n```\n"
+    text = header + "\n".join(table) + raw_numbers
     open(os.path.join(HERE, "RESULTS.md"), "w").write(text)
     print("\n".join(table))
     print(f"\nwritten to {os.path.join(HERE, 'RESULTS.md')}")

@@ -1,12 +1,20 @@
 """Seconds per PPO iteration, split into rollout, scoring, training and weight sync (not a test).
 
-    .venv/bin/python bench/ppo_iteration.py [--model runs/demo/sft/hf] [--steps 12] [extra train_ppo flags]
+    .venv/bin/python bench/ppo_iteration.py [--model runs/demo/sft/hf] [--steps 12] [extra flags]
 
-Runs train_ppo.py under torchrun with 2 ranks (the demo's batch settings unless overridden) and
-reports medians over the iterations after the first (which pays one-time warm-ups), from the
-`time/*` keys every iteration logs. Run it for each estimator to compare PPO with GRPO/RLOO.
+Runs train_ppo.py under torchrun with 2 ranks (the demo's batch settings unless extra train_ppo.py
+flags override them) and reports medians over the iterations after the first (which pays one-time
+warm-ups), from the `time/*` keys every iteration logs. Run it for each estimator to compare
+PPO with GRPO/RLOO.
 """
-import argparse, json, os, statistics, subprocess, sys, tempfile
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -17,17 +25,23 @@ def main():
     p.add_argument("--steps", type=int, default=12)
     a, extra = p.parse_known_args()
     if not os.path.isdir(a.model):
-        sys.exit(f"error: --model {a.model}: no such folder (run ./launch.sh demo first, or pass an SFT export)")
+        sys.exit(
+            f"error: --model {a.model}: no such folder "
+            "(run ./launch.sh demo first, or pass an SFT export)"
+        )
     out = tempfile.mkdtemp()
-    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc_per_node=2",
-           os.path.join(REPO, "train_ppo.py"), "--model", a.model, "--out_dir", out, "--max_steps", str(a.steps),
-           "--eval_every", "0", "--eval_samples", "0", "--save_every", "1000000", *extra]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--standalone", "--nproc_per_node=2", os.path.join(REPO, "train_ppo.py")]
+    cmd += ["--model", a.model, "--out_dir", out, "--max_steps", str(a.steps)]
+    cmd += ["--eval_every", "0", "--eval_samples", "0", "--save_every", "1000000", *extra]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
-    rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))][2:]  # skip eval row 0 and step 1
+    logged = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    rows = logged[2:]  # skip eval row 0 and step 1
     phases = ["rollout", "score", "train", "sync"]
     med = {k: statistics.median(r[f"time/{k}_s"] for r in rows) for k in phases}
     total = sum(med.values())
-    print(f"PPO iteration on 2 ranks, median of {len(rows)} iterations ({' '.join(extra) or 'default flags'}):")
+    flags = " ".join(extra) or "default flags"
+    print(f"PPO iteration on 2 ranks, median of {len(rows)} iterations ({flags}):")
     for k in phases:
         print(f"  {k:8} {med[k]:7.3f} s  {100 * med[k] / total:5.1f} %")
     print(f"  {'total':8} {total:7.3f} s")

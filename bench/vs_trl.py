@@ -1,23 +1,34 @@
-"""SFT tokens/s and seconds per RL iteration, plainrlhf vs Hugging Face TRL, same task, model and batches.
+"""SFT tokens/s and seconds per RL iteration, plainrlhf vs Hugging Face TRL:
+same task, model and batches.
 
     .venv/bin/python bench/vs_trl.py [--peer /tmp/trlpeer] [--steps 30]
 
-The TRL side is the harness in ../shared/peers/trl (its own venv, made by its setup_venv.sh if missing;
-plainrlhf does not depend on TRL). It builds a random-init 4x256 Llama with a character tokenizer and
-addition data, SFTs it (SFTTrainer: 200 steps of 32, completion-only loss), then runs GRPOTrainer (16 prompts x 4 samples, <= 8 new tokens, 1 update per
-step, beta 0) and PPOTrainer (64 rollouts, 1 epoch, 1 minibatch, beta 0.05), 1 thread, no vLLM.
+The TRL side is the harness in ../shared/peers/trl (its own venv, made by its setup_venv.sh if
+missing; plainrlhf does not depend on TRL). It builds a random-init 4x256 Llama with a character
+tokenizer and addition data, SFTs it (SFTTrainer: 200 steps of 32, completion-only loss), then runs
+GRPOTrainer (16 prompts x 4 samples, <= 8 new tokens, 1 update per step, beta 0) and PPOTrainer (64
+rollouts, 1 epoch, 1 minibatch, beta 0.05), 1 thread, no vLLM.
 plainrlhf's train_sft.py trains the same initial model on the same examples, batch size and steps
 (tokens/s: non-pad tokens of the batches, as TRL counts them, over the median step time); then
 train_ppo.py starts from TRL's SFT model and the same prompts with the same batch settings:
 `--advantage_estimator grpo` for the like-for-like GRPO row, GAE with a critic for the PPO row, on 1
-process with 1 thread (rollouts by vLLM), and on 2 ranks for reference. Medians over iterations after
-the first. plainrlhf always computes reference logprobs (TRL's GRPO skips them at beta 0). Peak RSS:
-GNU time's maximum resident set size of the largest process. Ends with a `BENCH {json}` line.
+process with 1 thread (rollouts by vLLM), and on 2 ranks for reference. Medians over iterations
+after the first. plainrlhf always computes reference logprobs (TRL's GRPO skips them at beta 0).
+Peak RSS: GNU time's maximum resident set size of the largest process. Ends with a
+`BENCH {json}` line.
 """
-import argparse, json, os, re, statistics, subprocess, sys, tempfile
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import task  # noqa: E402
+import common  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HARNESS = os.path.join(os.path.dirname(REPO), "shared", "peers", "trl")
@@ -26,40 +37,75 @@ HARNESS = os.path.join(os.path.dirname(REPO), "shared", "peers", "trl")
 def rss_run(cmd, env):
     """Run cmd under GNU time; return the peak RSS in MiB of its largest process."""
     with tempfile.NamedTemporaryFile("r", suffix=".time") as t:
-        subprocess.run(["/usr/bin/time", "-v", "-o", t.name, *cmd], check=True, cwd=REPO, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, env=env)
-        return int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", t.read()).group(1)) / 1024
+        timed = ["/usr/bin/time", "-v", "-o", t.name, *cmd]
+        subprocess.run(
+            timed,
+            check=True,
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
+        found = re.search(r"Maximum resident set size \(kbytes\): (\d+)", t.read())
+        return int(found.group(1)) / 1024
 
 
 def ours_sft(work, steps, batch):
-    """train_sft.py, 1 process and 1 thread, on TRL's initial model and examples: (tokens/s, RSS MiB)."""
+    """train_sft.py, 1 process and 1 thread, on TRL's initial model and examples:
+    (tokens/s, RSS MiB)."""
     from transformers import AutoTokenizer
-    rows = [json.loads(l) for l in open(os.path.join(work, "data", "train.jsonl"))]
-    data, out = tempfile.mktemp(suffix=".jsonl"), tempfile.mkdtemp()
+
+    rows = [json.loads(line) for line in open(os.path.join(work, "data", "train.jsonl"))]
+    data = tempfile.mktemp(suffix=".jsonl")
+    out = tempfile.mkdtemp()
     with open(data, "w") as f:
-        f.writelines(json.dumps({"prompt": r["prompt"], "response": r["completion"]}) + "\n" for r in rows)
+        for r in rows:
+            f.write(json.dumps({"prompt": r["prompt"], "response": r["completion"]}) + "\n")
     model = os.path.join(work, "model_init")
-    rss = rss_run([sys.executable, os.path.join(REPO, "train_sft.py"), "--model", model, "--data", data, "--out_dir", out,
-                   "--max_steps", str(steps), "--train_batch_size", str(batch), "--micro_batch_size", str(batch),
-                   "--lr", "1e-3", "--warmup_steps", "10", "--eval_every", "0", "--save_every", str(10**6)],
-                  {**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [sys.executable, os.path.join(REPO, "train_sft.py")]
+    cmd += ["--model", model, "--data", data, "--out_dir", out, "--max_steps", str(steps)]
+    cmd += ["--train_batch_size", str(batch), "--micro_batch_size", str(batch), "--lr", "1e-3"]
+    cmd += ["--warmup_steps", "10", "--eval_every", "0", "--save_every", str(10**6)]
+    rss = rss_run(cmd, {**os.environ, "OMP_NUM_THREADS": "1"})
     tok = AutoTokenizer.from_pretrained(model)
-    n = [len(task.encode_prompt(tok, r["prompt"])) + len(tok(r["completion"], add_special_tokens=False).input_ids) + 1
-         for r in rows]  # prompt, response, EOS: the tokens of each example, no padding
-    times = [json.loads(l)["time/step_s"] for l in open(os.path.join(out, "metrics.jsonl"))][1:]
-    tokens = statistics.mean(sum(n[i] for i in task.batch_indices(s, len(rows), batch, 42)[0]) for s in range(steps))
+
+    def n_tokens(r):
+        prompt = common.encode_prompt(tok, r["prompt"])
+        response = tok(r["completion"], add_special_tokens=False).input_ids
+        return len(prompt) + len(response) + 1  # prompt, response, EOS
+
+    n = [n_tokens(r) for r in rows]  # the tokens of each example, no padding
+    metrics_path = os.path.join(out, "metrics.jsonl")
+    times = [json.loads(line)["time/step_s"] for line in open(metrics_path)][1:]
+
+    def batch_tokens(s):
+        return sum(n[i] for i in common.batch_indices(s, len(rows), batch, 42)[0])
+
+    tokens = statistics.mean(batch_tokens(s) for s in range(steps))
     return tokens / statistics.median(times), rss
 
 
 def ours(work, steps, nproc, extra):
     out = tempfile.mkdtemp()
-    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(REPO, "train_ppo.py"), "--model", os.path.join(work, "model_sft"), "--data",
-           os.path.join(work, "data", "rl.jsonl"), "--out_dir", out, "--max_steps", str(steps), "--max_new_tokens", "8",
-           "--train_batch_size", "64", "--micro_batch_size", str(64 // nproc), "--ppo_epochs", "1", "--eval_samples", "0",
-           "--save_every", "1000000", "--lr", "1e-5", *extra]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [
+        torchrun,
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        os.path.join(REPO, "train_ppo.py"),
+    ]
+    cmd += [
+        "--model",
+        os.path.join(work, "model_sft"),
+        "--data",
+        os.path.join(work, "data", "rl.jsonl"),
+    ]
+    cmd += ["--out_dir", out, "--max_steps", str(steps), "--max_new_tokens", "8"]
+    cmd += ["--train_batch_size", "64", "--micro_batch_size", str(64 // nproc), "--ppo_epochs", "1"]
+    cmd += ["--eval_samples", "0", "--save_every", "1000000", "--lr", "1e-5", *extra]
     rss = rss_run(cmd, {**os.environ, "OMP_NUM_THREADS": "1"})
-    rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))][1:]
+    metrics_path = os.path.join(out, "metrics.jsonl")
+    rows = [json.loads(line) for line in open(metrics_path)][1:]
     return statistics.median(sum(r[k] for k in r if k.startswith("time/")) for r in rows), rss
 
 
@@ -71,26 +117,67 @@ def main():
     if not os.path.exists(os.path.join(a.peer, "venv", "bin", "python")):
         subprocess.run(["bash", os.path.join(HARNESS, "setup_venv.sh"), a.peer], check=True)
     work = os.path.join(a.peer, "run")
-    env = {**os.environ, "PY": os.path.join(a.peer, "venv", "bin", "python"), "TRL112": os.path.join(a.peer, "trl112"),
-           "THREADS": "1", "RL_STEPS": str(a.steps), "RL_PROMPTS": "16", "RL_GENS": "4", "RL_MAX_NEW": "8"}
-    trl = subprocess.run(["bash", os.path.join(HARNESS, "run.sh"), work], env=env, capture_output=True, text=True, check=True).stdout
-    median = lambda stage: float(re.search(rf"RESULT {stage}:.*?\(median ([0-9.]+)\)", trl).group(1))
-    rss = lambda stage: float(re.search(rf"RESULT {stage}:.*?peak_rss\(time -v\)=([0-9.]+)MiB", trl).group(1))
+    env = {
+        **os.environ,
+        "PY": os.path.join(a.peer, "venv", "bin", "python"),
+        "TRL112": os.path.join(a.peer, "trl112"),
+        "THREADS": "1",
+        "RL_STEPS": str(a.steps),
+        "RL_PROMPTS": "16",
+        "RL_GENS": "4",
+        "RL_MAX_NEW": "8",
+    }
+    cmd = ["bash", os.path.join(HARNESS, "run.sh"), work]
+    trl = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+
+    def median(stage):
+        return float(re.search(rf"RESULT {stage}:.*?\(median ([0-9.]+)\)", trl).group(1))
+
+    def rss(stage):
+        pattern = rf"RESULT {stage}:.*?peak_rss\(time -v\)=([0-9.]+)MiB"
+        return float(re.search(pattern, trl).group(1))
+
     trl_sft_tok_s = float(re.search(r"RESULT sft:.*? tok/s=([0-9.]+)", trl).group(1))
     sft_tok_s, sft_rss = ours_sft(work, 200, 32)
-    results = [{"row": "SFT tokens/s, 200 steps of 32 (higher is better)", "trl": trl_sft_tok_s, "ours": sft_tok_s,
-                "ratio": sft_tok_s / trl_sft_tok_s, "trl_rss_mib": rss("sft"), "ours_rss_mib": sft_rss}]
-    print(f"SFT tokens/s: TRL {trl_sft_tok_s:.0f}, ours {sft_tok_s:.0f} ({sft_tok_s / trl_sft_tok_s:.2f}x); "
-          f"peak RSS TRL {rss('sft'):.0f} MiB, ours {sft_rss:.0f} MiB")
-    rows = [("GRPO, 16 prompts x 4", "grpo", ["--rollout_batch_size", "16", "--n_samples_per_prompt", "4",
-                                                     "--advantage_estimator", "grpo", "--kl_coef", "0"]),
-            ("PPO + critic, 64 x 1", "ppo", ["--rollout_batch_size", "64", "--n_samples_per_prompt", "1"])]
-    print(f"{'s per iteration':24}{'TRL 1 thread':>13}{'ours 1 proc':>12}{'TRL/ours':>9}{'ours 2 ranks':>13}")
+    sft_row = {
+        "row": "SFT tokens/s, 200 steps of 32 (higher is better)",
+        "trl": trl_sft_tok_s,
+        "ours": sft_tok_s,
+        "ratio": sft_tok_s / trl_sft_tok_s,
+        "trl_rss_mib": rss("sft"),
+        "ours_rss_mib": sft_rss,
+    }
+    results = [sft_row]
+    print(
+        f"SFT tokens/s: TRL {trl_sft_tok_s:.0f}, ours {sft_tok_s:.0f} "
+        f"({sft_tok_s / trl_sft_tok_s:.2f}x); "
+        f"peak RSS TRL {rss('sft'):.0f} MiB, ours {sft_rss:.0f} MiB"
+    )
+    grpo_flags = ["--rollout_batch_size", "16", "--n_samples_per_prompt", "4"]
+    grpo_flags += ["--advantage_estimator", "grpo", "--kl_coef", "0"]
+    ppo_flags = ["--rollout_batch_size", "64", "--n_samples_per_prompt", "1"]
+    rows = [
+        ("GRPO, 16 prompts x 4", "grpo", grpo_flags),
+        ("PPO + critic, 64 x 1", "ppo", ppo_flags),
+    ]
+    print(
+        f"{'s per iteration':24}{'TRL 1 thread':>13}{'ours 1 proc':>12}{'TRL/ours':>9}"
+        f"{'ours 2 ranks':>13}"
+    )
     for name, stage, extra in rows:
-        (one, one_rss), (two, _) = ours(work, a.steps, 1, extra), ours(work, a.steps, 2, extra)
+        one, one_rss = ours(work, a.steps, 1, extra)
+        two, _ = ours(work, a.steps, 2, extra)
         print(f"{name:24}{median(stage):13.3f}{one:12.3f}{median(stage) / one:9.2f}{two:13.3f}")
-        results.append({"row": f"{name}: s per iteration (lower is better)", "trl": median(stage), "ours": one,
-                        "ratio": median(stage) / one, "ours_2_ranks": two, "trl_rss_mib": rss(stage), "ours_rss_mib": one_rss})
+        row = {
+            "row": f"{name}: s per iteration (lower is better)",
+            "trl": median(stage),
+            "ours": one,
+            "ratio": median(stage) / one,
+            "ours_2_ranks": two,
+            "trl_rss_mib": rss(stage),
+            "ours_rss_mib": one_rss,
+        }
+        results.append(row)
     print("BENCH " + json.dumps({"vs_trl": results}))
 
 

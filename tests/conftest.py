@@ -1,5 +1,11 @@
 """Helpers for the tests: run the real scripts under the real torchrun, read checkpoints back."""
-import json, os, shutil, subprocess, sys, time
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
 
 import psutil
 import pytest
@@ -18,23 +24,31 @@ TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
 
 def run(script, *args, nproc=2, check=True, timeout=600, env=None):
     """`torchrun --standalone --nproc_per_node=nproc script args`; returns the CompletedProcess."""
-    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", os.path.join(REPO, script), *map(str, args)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                       env={**os.environ, **(env or {})})
+    path = os.path.join(REPO, script)
+    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", path, *map(str, args)]
+    full_env = {**os.environ, **(env or {})}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=full_env)
     if check and p.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+        )
     return p
 
 
 def run_py(*args, check=False, timeout=300, env=None):
     """Plain `python args...` in the repo (one process; the scripts make their own 1-rank group)."""
-    return subprocess.run([PY, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env={**os.environ, **(env or {})})
+    cmd = [PY, *map(str, args)]
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=full_env
+    )
 
 
 def kill_tree(pid, sig=9):
-    """SIGKILL torchrun and its workers (they sit in sessions of their own, so killpg misses them)."""
+    """SIGKILL torchrun and its workers
+    (they sit in sessions of their own, so killpg misses them)."""
     import psutil
+
     procs = [psutil.Process(pid)]
     procs += procs[0].children(recursive=True)
     for p in procs:
@@ -55,7 +69,11 @@ def workers(pid):
     found = {}
     for p in psutil.Process(pid).children(recursive=True):
         try:
-            if "train_" in " ".join(p.cmdline()) and "RANK" in p.environ() and "torchrun" not in p.cmdline()[1]:
+            if (
+                "train_" in " ".join(p.cmdline())
+                and "RANK" in p.environ()
+                and "torchrun" not in p.cmdline()[1]
+            ):
                 found[int(p.environ()["RANK"])] = p
         except (psutil.NoSuchProcess, IndexError):
             pass
@@ -65,7 +83,9 @@ def workers(pid):
 def wait_for(cond, proc, timeout=300):
     t0 = time.time()
     while not cond():
-        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before the moment to interrupt it"
+        assert proc.poll() is None, (
+            f"the run ended (exit {proc.returncode}) before the moment to interrupt it"
+        )
         assert time.time() - t0 < timeout
         time.sleep(0.005)
 
@@ -74,14 +94,23 @@ def read_tensors(ckpt):
     """Every tensor of a checkpoint's DCP state (model and optimizer), by flat key."""
     path = os.path.join(ckpt, "dcp")
     md = checkpoint._SafeReader(path).read_metadata()
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype)
-             for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
-    dcp.load(state, storage_reader=checkpoint._SafeReader(path), planner=checkpoint._SafePlanner(), no_dist=True)
+    state = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in md.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
+    dcp.load(
+        state,
+        storage_reader=checkpoint._SafeReader(path),
+        planner=checkpoint._SafePlanner(),
+        no_dist=True,
+    )
     return state
 
 
 def assert_same_tensors(a, b):
-    ta, tb = read_tensors(a), read_tensors(b)
+    ta = read_tensors(a)
+    tb = read_tensors(b)
     assert ta.keys() == tb.keys()
     assert any(".optim.state." in k for k in ta), "optimizer state missing from the checkpoint"
     bad = [k for k in ta if not torch.equal(ta[k], tb[k])]
@@ -89,7 +118,7 @@ def assert_same_tensors(a, b):
 
 
 def metrics(out_dir, drop=("time/",)):
-    rows = [json.loads(l) for l in open(os.path.join(out_dir, "metrics.jsonl"))]
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
     return [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows]
 
 
@@ -110,7 +139,8 @@ def addition_jsonl(tmp_path_factory):
     """A small training file: 64 addition examples, so an epoch is 4 steps of 16."""
     p = tmp_path_factory.mktemp("data") / "train.jsonl"
     with open(p, "w") as f:
-        for ex in task.make_split("train")[:64]:
+        examples = task.make_split("train")[:64]
+        for ex in examples:
             f.write(json.dumps(ex) + "\n")
     return str(p)
 

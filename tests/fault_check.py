@@ -1,47 +1,67 @@
-"""Run by tests/test_faults.py under torchrun with 2 ranks: checkpoint.save's cross-rank agreement, the
-async snapshot, and boundary()'s one decision for all ranks, on the real FSDP2 model and DCP."""
-import errno, json, os, sys
+"""Run by tests/test_faults.py under torchrun with 2 ranks: checkpoint.save's cross-rank agreement,
+the async snapshot, and boundary()'s one decision for all ranks, on the real FSDP2 model and DCP."""
+
+import errno
+import json
+import os
+import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 
-import checkpoint, task, train_sft  # noqa: E402
+import checkpoint  # noqa: E402
+import common  # noqa: E402
+import task  # noqa: E402
 from conftest import read_tensors  # noqa: E402
 
 
 def main(out):
-    rank, world, device = train_sft.init_distributed(0)
-    model = train_sft.shard_model(AutoModelForCausalLM.from_pretrained(task.TINY_MODEL), device)
+    rank, world, device = common.init_distributed(0)
+    model = common.shard_model(AutoModelForCausalLM.from_pretrained(task.TINY_MODEL), device)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(input_ids=torch.ones(1, 4, dtype=torch.long)).logits.sum().backward()
     optim.step()  # AdamW state exists
-    args = (out, {"model": (model, optim)}, {"args": {"seed": 0}},
-            (model.config, AutoTokenizer.from_pretrained(task.TINY_MODEL), model.generation_config))
+    args = (
+        out,
+        {"model": (model, optim)},
+        {"args": {"seed": 0}},
+        (model.config, AutoTokenizer.from_pretrained(task.TINY_MODEL), model.generation_config),
+    )
     root = os.path.join(out, "checkpoints")
-    latest = lambda: open(os.path.join(root, "latest")).read().strip()
+
+    def latest():
+        return open(os.path.join(root, "latest")).read().strip()
+
     assert checkpoint.save(args[0], 1, *args[1:], keep_last=0).endswith("step-00000001")
 
     # 1. A write that fails on rank 1 only fails the save on both ranks; step 1 stays latest.
     real = checkpoint.rng_state
     if rank == 1:
+
         def full():
             raise OSError(errno.ENOSPC, "No space left on device")
+
         checkpoint.rng_state = full
     try:
         checkpoint.save(args[0], 2, *args[1:], keep_last=0)
         raise AssertionError("the save did not fail")
     except checkpoint.CheckpointError as e:
-        assert "rank 1: OSError" in str(e) and "No space left" in str(e) and "intact and latest" in str(e), e
-    assert checkpoint.save(args[0], 2, *args[1:], keep_last=0, on_error="warn") is None  # warn: no raise
+        message = str(e)
+        assert "rank 1: OSError" in message and "No space left" in message, e
+        assert "intact and latest" in message, e
+    # on_error="warn": no raise
+    assert checkpoint.save(args[0], 2, *args[1:], keep_last=0, on_error="warn") is None
     checkpoint.rng_state = real
     dist.barrier()  # every rank has seen the failures before rank 0 looks at the directory
-    assert latest() == "step-00000001" and sorted(os.listdir(root)) == ["latest", "step-00000001"], os.listdir(root)
+    assert latest() == "step-00000001", os.listdir(root)
+    assert sorted(os.listdir(root)) == ["latest", "step-00000001"], os.listdir(root)
 
-    # 2. Async: the checkpoint holds the weights of the moment of the call, although training goes on
-    # at once, and it is published (latest) only by commit(), once all ranks have written it.
+    # 2. Async: the checkpoint holds the weights of the moment of the call, although training goes
+    # on at once, and it is published (latest) only by commit(), once all ranks have written it.
     before = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
     assert checkpoint.save(args[0], 3, *args[1:], keep_last=0, async_save=True) is None
     with torch.no_grad():
@@ -52,7 +72,8 @@ def main(out):
     assert path.endswith("step-00000003") and latest() == "step-00000003"
     if rank == 0:
         saved = read_tensors(path)
-        assert all(torch.equal(saved[f"model.model.{k}"], v) for k, v in before.items()), "async save saw later weights"
+        same = all(torch.equal(saved[f"model.model.{k}"], v) for k, v in before.items())
+        assert same, "async save saw later weights"
         assert json.load(open(os.path.join(path, "meta.json")))["step"] == 3
 
     # 3. boundary(): a signal on one rank makes every rank save and stop; the clock is rank 0's.

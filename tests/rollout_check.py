@@ -1,24 +1,33 @@
-"""Run under torchrun by tests/test_rollout.py: vLLM vs HF engines, weight sync from an FSDP2 actor,
-seeded sampling. Every rank checks its own engine; any failed assert makes torchrun exit non-zero."""
-import os, sys
+"""Run under torchrun by tests/test_rollout.py: vLLM vs HF engines, weight sync from an FSDP2
+actor, seeded sampling. Every rank checks its own engine; any failed assert makes torchrun
+exit non-zero."""
+
+import os
+import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 
-import rollout, task, train_sft  # noqa: E402
+import common  # noqa: E402
+import rollout  # noqa: E402
+import task  # noqa: E402
+import train_ppo  # noqa: E402
 
-T, NEW = 0.7, 8
+T = 0.7
+NEW = 8
 
 
 def actor_logprobs(actor, prompts, gen, n):
-    """logprobs_of(actor) for every generated response, aligned with the engine's logprobs. Collective."""
+    """logprobs_of(actor) for every generated response, aligned with the engine's logprobs.
+    Collective."""
     out = []
     for i, ids in enumerate(gen.response_ids):
         p = prompts[i // n]
-        x = torch.tensor([p + ids])
-        out.append(rollout.logprobs_of(actor, x, torch.ones_like(x), T)[0, len(p) - 1:])
+        batch = train_ppo.make_batch([p], [ids], pad_id=0)  # one row: no padding
+        out.append(train_ppo.logprobs_of(actor, batch, T)[0])
     return out
 
 
@@ -27,13 +36,14 @@ def max_diff(a, b):
 
 
 def main():
-    rank, world, device = train_sft.init_distributed(0)
+    rank, world, device = common.init_distributed(0)
     task.ensure_tiny_model()
     tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
     vl = rollout.build_engine("vllm", task.TINY_MODEL, 64, 0, tok.eos_token_id)
     hf = rollout.build_engine("hf", task.TINY_MODEL, 64, 0, tok.eos_token_id)
-    actor = train_sft.shard_model(AutoModelForCausalLM.from_pretrained(task.TINY_MODEL).eval(), device)
-    prompts = [tok(e["prompt"]).input_ids for e in task.make_split("test")[rank * 6:rank * 6 + 6]]
+    actor = common.shard_model(AutoModelForCausalLM.from_pretrained(task.TINY_MODEL).eval(), device)
+    examples = task.make_split("test")[rank * 6 : rank * 6 + 6]
+    prompts = [tok(e["prompt"]).input_ids for e in examples]
     seeds = [rollout.prompt_seed(0, 1, rank * 6 + i) for i in range(6)]
 
     # 1. Greedy: identical token ids from both engines.
@@ -49,13 +59,16 @@ def main():
             assert d < 1e-4, f"{type(eng).__name__}: logprob difference {d}"
 
     # 3. Seeds: same seeds, same samples; another step, other samples; batching does not matter.
-    a, b = vl.generate(prompts, 2, NEW, T, 1.0, seeds), vl.generate(prompts, 2, NEW, T, 1.0, seeds)
+    a = vl.generate(prompts, 2, NEW, T, 1.0, seeds)
+    b = vl.generate(prompts, 2, NEW, T, 1.0, seeds)
     assert a.response_ids == b.response_ids and a.logprobs == b.logprobs
-    other = vl.generate(prompts, 2, NEW, T, 1.0, [rollout.prompt_seed(0, 2, rank * 6 + i) for i in range(6)])
+    other_seeds = [rollout.prompt_seed(0, 2, rank * 6 + i) for i in range(6)]
+    other = vl.generate(prompts, 2, NEW, T, 1.0, other_seeds)
     assert other.response_ids != a.response_ids
     alone = vl.generate(prompts[3:4], 2, NEW, T, 1.0, seeds[3:4])
     assert alone.response_ids == a.response_ids[6:8], "a prompt's samples depend on its batch"
-    h1, h2 = hf.generate(prompts, 2, NEW, T, 1.0, seeds), hf.generate(prompts[3:4], 2, NEW, T, 1.0, seeds[3:4])
+    h1 = hf.generate(prompts, 2, NEW, T, 1.0, seeds)
+    h2 = hf.generate(prompts[3:4], 2, NEW, T, 1.0, seeds[3:4])
     assert h1.response_ids[6:8] == h2.response_ids
 
     # 4. Sync: perturb the sharded actor; the engines follow only after sync_weights.
@@ -66,7 +79,8 @@ def main():
             p.to_local().add_(torch.randn_like(p.to_local()) * 0.3)
     stale = vl.generate(prompts, 2, NEW, T, 1.0, seeds)
     with torch.no_grad():
-        assert max_diff(actor_logprobs(actor, prompts, stale, 2), stale.logprobs) > 1e-2, "engine changed before sync"
+        d = max_diff(actor_logprobs(actor, prompts, stale, 2), stale.logprobs)
+        assert d > 1e-2, "engine changed before sync"
     assert vl.generate(prompts, 1, NEW, 0.0, 1.0, seeds).response_ids == before
     rollout.sync_weights(vl, actor)
     rollout.sync_weights(hf, actor)
@@ -82,14 +96,17 @@ def main():
     with torch.no_grad():
         head = actor.lm_head.weight
         local = head.to_local()
-        start = rank * ((head.shape[0] + world - 1) // world)  # Shard(0): rank r holds rows from here
+        # Shard(0): rank r holds rows from here
+        start = rank * ((head.shape[0] + world - 1) // world)
         if 0 <= tok.eos_token_id - start < local.shape[0]:
             local[tok.eos_token_id - start] *= 20.0
     rollout.sync_weights(vl, actor)
     rollout.sync_weights(hf, actor)
     g_vl, g_hf = (e.generate(prompts, 1, NEW, 0.0, 1.0, seeds) for e in (vl, hf))
     assert g_vl.response_ids == g_hf.response_ids and g_vl.finished == g_hf.finished
-    for g in (g_vl, g_hf, vl.generate(prompts, 2, NEW, T, 1.0, seeds), hf.generate(prompts, 2, NEW, T, 1.0, seeds)):
+    s_vl = vl.generate(prompts, 2, NEW, T, 1.0, seeds)
+    s_hf = hf.generate(prompts, 2, NEW, T, 1.0, seeds)
+    for g in (g_vl, g_hf, s_vl, s_hf):
         assert any(g.finished), g.response_ids
         for ids, lps, done in zip(g.response_ids, g.logprobs, g.finished):
             assert done == (ids[-1] == tok.eos_token_id) and tok.eos_token_id not in ids[:-1]

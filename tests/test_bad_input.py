@@ -1,4 +1,5 @@
 """Bad input gets one clear line naming the flag or file, not a traceback."""
+
 import json
 
 import pytest
@@ -13,86 +14,123 @@ def assert_one_line_error(p, *needles):
     assert last.startswith("error:") and all(n in last for n in needles), p.stderr[-2000:]
 
 
-@pytest.mark.parametrize("extra,needles", [
-    (["--train_batch_size", "10", "--micro_batch_size", "4"], ["--train_batch_size 10", "--micro_batch_size 4"]),
-    (["--model", "/nonexistent/model"], ["--model /nonexistent/model"]),
-    (["--resume", "/tmp"], ["/tmp/manifest.json: missing"]),
-    (["--data", "/nonexistent.jsonl"], ["/nonexistent.jsonl: no such file"]),
-])
+@pytest.mark.parametrize(
+    "extra,needles",
+    [
+        (
+            ["--train_batch_size", "10", "--micro_batch_size", "4"],
+            ["--train_batch_size 10", "--micro_batch_size 4"],
+        ),
+        (["--model", "/nonexistent/model"], ["--model /nonexistent/model"]),
+        (["--resume", "/tmp"], ["/tmp/manifest.json: missing"]),
+        (["--data", "/nonexistent.jsonl"], ["/nonexistent.jsonl: no such file"]),
+    ],
+)
 def test_bad_flags(tmp_path, extra, needles):
-    assert_one_line_error(run_py("train_sft.py", "--out_dir", tmp_path, "--max_steps", 1, *extra), *needles)
+    p = run_py("train_sft.py", "--out_dir", tmp_path, "--max_steps", 1, *extra)
+    assert_one_line_error(p, *needles)
 
 
-@pytest.mark.parametrize("text,needles", [
-    ('{"prompt": "1+1=", "response": "2"}\n{"prompt": "1+1=", \n', ["bad.jsonl:2: not valid JSON"]),
-    ('{"prompt": "1+1=", "response": "2"}\n{"prompt": "2+2="}\n', ["bad.jsonl:2: expected a string field 'response'"]),
-    ("\n", ["bad.jsonl: no examples"]),
-], ids=["malformed-line", "missing-field", "empty"])
+@pytest.mark.parametrize(
+    "text,needles",
+    [
+        (
+            '{"prompt": "1+1=", "response": "2"}\n{"prompt": "1+1=", \n',
+            ["bad.jsonl:2: not valid JSON"],
+        ),
+        (
+            '{"prompt": "1+1=", "response": "2"}\n{"prompt": "2+2="}\n',
+            ["bad.jsonl:2: expected a string field 'response'"],
+        ),
+        ("\n", ["bad.jsonl: no examples"]),
+    ],
+    ids=["malformed-line", "missing-field", "empty"],
+)
 def test_bad_data_file(tmp_path, text, needles):
     (tmp_path / "bad.jsonl").write_text(text)
-    p = run_py("train_sft.py", "--out_dir", tmp_path, "--data", tmp_path / "bad.jsonl", "--max_steps", 1)
+    p = run_py(
+        "train_sft.py", "--out_dir", tmp_path, "--data", tmp_path / "bad.jsonl", "--max_steps", 1
+    )
     assert_one_line_error(p, *needles)
 
 
 def test_ppo_prompt_longer_than_the_context(tmp_path):
-    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "1+1="}) + "\n" + json.dumps({"prompt": "9" * 70}) + "\n")
+    text = json.dumps({"prompt": "1+1="}) + "\n" + json.dumps({"prompt": "9" * 70}) + "\n"
+    (tmp_path / "prompts.jsonl").write_text(text)
     import task
+
     task.ensure_tiny_model()
-    p = run_py("train_ppo.py", "--model", task.TINY_MODEL, "--out_dir", tmp_path / "out", "--rollout_engine", "hf",
-               "--data", tmp_path / "prompts.jsonl", "--max_steps", 1)
+    args = ("--model", task.TINY_MODEL, "--out_dir", tmp_path / "out", "--rollout_engine", "hf")
+    args += ("--data", tmp_path / "prompts.jsonl", "--max_steps", 1)
+    p = run_py("train_ppo.py", *args)
     assert_one_line_error(p, "prompts.jsonl:2", "exceeds the model's context")
 
 
 def test_overlong_example(tmp_path):
     data = tmp_path / "long.jsonl"
-    data.write_text(json.dumps({"prompt": "1+1=", "response": "2"}) + "\n" +
-                    json.dumps({"prompt": "9" * 80, "response": "2"}) + "\n")
+    short = json.dumps({"prompt": "1+1=", "response": "2"}) + "\n"
+    overlong = json.dumps({"prompt": "9" * 80, "response": "2"}) + "\n"
+    data.write_text(short + overlong)
     p = run_py("train_sft.py", "--out_dir", tmp_path, "--data", data, "--max_steps", 1)
     assert_one_line_error(p, "long.jsonl:2", "longer than the model's context")
 
 
 def test_a_fresh_run_does_not_mix_with_an_earlier_one(tmp_path):
-    args = ("--out_dir", tmp_path, "--max_steps", 1, "--train_batch_size", 8, "--micro_batch_size", 8, "--eval_samples", 8)
+    args = ("--out_dir", tmp_path, "--max_steps", 1, "--train_batch_size", 8)
+    args += ("--micro_batch_size", 8, "--eval_samples", 8)
     assert run_py("train_sft.py", *args).returncode == 0
     before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert_one_line_error(run_py("train_sft.py", *args), "holds an earlier run's checkpoints", "--resume latest")
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before  # nothing lost or added
+    p = run_py("train_sft.py", *args)
+    assert_one_line_error(p, "holds an earlier run's checkpoints", "--resume latest")
+    after = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert after == before  # nothing lost or added
 
 
 def test_resume_with_changed_settings(tmp_path):
-    args = ("--out_dir", tmp_path, "--max_steps", 1, "--train_batch_size", 8, "--micro_batch_size", 8,
-            "--eval_samples", 8)
+    args = ("--out_dir", tmp_path, "--max_steps", 1, "--train_batch_size", 8)
+    args += ("--micro_batch_size", 8, "--eval_samples", 8)
     assert run_py("train_sft.py", *args).returncode == 0
-    p = run_py("train_sft.py", *args[:-6], "--train_batch_size", 16, "--micro_batch_size", 4, "--eval_samples", 8,
-               "--resume", "latest", "--seed", 7)
-    assert_one_line_error(p, "differing settings", "--seed 42 -> 7", "--train_batch_size 8 -> 16",
-                          "--micro_batch_size 8 -> 4")
+    changed = ("--train_batch_size", 16, "--micro_batch_size", 4, "--eval_samples", 8)
+    changed += ("--resume", "latest", "--seed", 7)
+    p = run_py("train_sft.py", *args[:-6], *changed)
+    assert_one_line_error(
+        p,
+        "differing settings",
+        "--seed 42 -> 7",
+        "--train_batch_size 8 -> 16",
+        "--micro_batch_size 8 -> 4",
+    )
 
 
-REWARDS = '''
+REWARDS = """
 def boom(prompt, response):
     raise ValueError("no")
 
 def text(prompt, response):
     return "x"
-'''
+"""
 
 
-@pytest.mark.parametrize("spec,needles", [
-    ("badreward:boom", ["--reward_fn badreward:boom raised ValueError('no')"]),
-    ("badreward:text", ["--reward_fn badreward:text returned 'x'", "expected a finite number"]),
-    ("nosuchmodule:f", ["--reward_fn nosuchmodule:f: expected module:function"]),
-])
+@pytest.mark.parametrize(
+    "spec,needles",
+    [
+        ("badreward:boom", ["--reward_fn badreward:boom raised ValueError('no')"]),
+        ("badreward:text", ["--reward_fn badreward:text returned 'x'", "expected a finite number"]),
+        ("nosuchmodule:f", ["--reward_fn nosuchmodule:f: expected module:function"]),
+    ],
+)
 def test_ppo_bad_reward_fn(tmp_path, spec, needles):
     (tmp_path / "badreward.py").write_text(REWARDS)
     import task
+
     task.ensure_tiny_model()
-    p = run_py("train_ppo.py", "--model", task.TINY_MODEL, "--out_dir", tmp_path / "out", "--rollout_engine", "hf",
-               "--reward_fn", spec, "--eval_samples", 4, "--max_steps", 1, env={"PYTHONPATH": str(tmp_path)})
+    args = ("--model", task.TINY_MODEL, "--out_dir", tmp_path / "out", "--rollout_engine", "hf")
+    args += ("--reward_fn", spec, "--eval_samples", 4, "--max_steps", 1)
+    p = run_py("train_ppo.py", *args, env={"PYTHONPATH": str(tmp_path)})
     assert_one_line_error(p, *needles)
 
 
 def test_ppo_batch_sizes(tmp_path):
-    p = run_py("train_ppo.py", "--out_dir", tmp_path, "--rollout_batch_size", 10, "--n_samples_per_prompt", 3,
-               "--train_batch_size", 4)
+    args = ("--out_dir", tmp_path, "--rollout_batch_size", 10, "--n_samples_per_prompt", 3)
+    p = run_py("train_ppo.py", *args, "--train_batch_size", 4)
     assert_one_line_error(p, "batch sizes do not divide", "--train_batch_size 4")

@@ -1,25 +1,46 @@
-"""Surviving real failures (issue 5): kills at random moments, preemption signals, a full disk, a stuck
-peer; every case ends in the same weights as an uninterrupted run, or in a clear one-line error."""
-import os, random, shutil, signal, socket, subprocess, time
+"""Surviving real failures (issue 5): kills at random moments, preemption signals, a full disk,
+a stuck peer; every case ends in the same weights as an uninterrupted run, or in a clear
+one-line error."""
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import time
 
 import pytest
 
-from conftest import (REPO, TORCHRUN, assert_same_tensors, kill_tree, latest, logged_steps, metrics, run, run_py,
-                      wait_for, workers)
+from conftest import REPO
+from conftest import TORCHRUN
+from conftest import assert_same_tensors
+from conftest import kill_tree
+from conftest import latest
+from conftest import logged_steps
+from conftest import metrics
+from conftest import run
+from conftest import run_py
+from conftest import wait_for
+from conftest import workers
 
 pytestmark = pytest.mark.slow
 N = 10
 
 
 def sft(out, data, *extra):
-    return ("--data", data, "--eval_data", data, "--eval_samples", 16, "--train_batch_size", 16,
-            "--micro_batch_size", 4, "--max_steps", N, "--eval_every", 5, "--save_every", 100,
-            "--warmup_steps", 2, "--out_dir", out, *extra)
+    args = ("--data", data, "--eval_data", data, "--eval_samples", 16, "--train_batch_size", 16)
+    args += ("--micro_batch_size", 4, "--max_steps", N, "--eval_every", 5, "--save_every", 100)
+    args += ("--warmup_steps", 2, "--out_dir", out, *extra)
+    return args
 
 
 def popen(out, data, *extra, log=None):
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", os.path.join(REPO, "train_sft.py"), *map(str, sft(out, data, *extra))]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, text=True)
+    script = os.path.join(REPO, "train_sft.py")
+    args = sft(out, data, *extra)
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", script, *map(str, args)]
+    stdout = log or subprocess.DEVNULL
+    return subprocess.Popen(cmd, cwd=REPO, stdout=stdout, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture(scope="module")
@@ -30,27 +51,39 @@ def straight(tmp_path_factory, addition_jsonl):
 
 
 def test_fault_check_under_torchrun(tmp_path):
-    """One rank's failed write fails the save on both; async saves snapshot; one decision for all ranks."""
-    p = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", os.path.join(REPO, "tests", "fault_check.py"),
-                        str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert p.returncode == 0 and p.stdout.count("FAULT_CHECK_OK") == 2, p.stdout[-2000:] + p.stderr[-4000:]
+    """One rank's failed write fails the save on both; async saves snapshot;
+    one decision for all ranks."""
+    script = os.path.join(REPO, "tests", "fault_check.py")
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", script, str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0 and p.stdout.count("FAULT_CHECK_OK") == 2, (
+        p.stdout[-2000:] + p.stderr[-4000:]
+    )
 
 
 def test_random_sigkills_then_resume_end_with_the_same_weights(tmp_path, straight, addition_jsonl):
-    """SIGKILL the whole process tree at random moments, during steps and during saves (every step
-    saves; every other run saves asynchronously), then `--resume latest`, until the run completes."""
-    out, rng = str(tmp_path), random.Random(5)
+    """SIGKILL the whole process tree at random moments, during steps and during saves
+    (every step saves; every other run saves asynchronously), then `--resume latest`,
+    until the run completes."""
+    out = str(tmp_path)
+    rng = random.Random(5)
     root = os.path.join(out, "checkpoints")
     moments = []
     for attempt in range(6):
-        proc = popen(out, addition_jsonl, "--save_every", 1, "--keep_last", 2, "--resume", "latest",
-                     "--async_save", ["false", "true"][attempt % 2])
+        async_save = ["false", "true"][attempt % 2]
+        flags = ("--save_every", 1, "--keep_last", 2, "--resume", "latest")
+        proc = popen(out, addition_jsonl, *flags, "--async_save", async_save)
         done = logged_steps(out)
         if attempt < 5:
             try:
                 if attempt % 2:  # while a checkpoint is being written
-                    wait_for(lambda: any(n.startswith(".tmp-") for n in os.listdir(root)) if os.path.isdir(root)
-                             and logged_steps(out) > done else False, proc)
+
+                    def saving():
+                        if not (os.path.isdir(root) and logged_steps(out) > done):
+                            return False
+                        return any(n.startswith(".tmp-") for n in os.listdir(root))
+
+                    wait_for(saving, proc)
                     time.sleep(rng.uniform(0, 0.05))
                 else:  # at a random moment of a step
                     wait_for(lambda: logged_steps(out) > done, proc)
@@ -77,18 +110,22 @@ def free_port():
 
 
 def test_sigterm_to_the_launcher_saves_at_the_step_and_exits_0(tmp_path, straight, addition_jsonl):
-    """What a scheduler does: SIGTERM to the job. launch.sh passes it to the training processes, which
-    agree, checkpoint at the end of the step and exit 0; --resume latest then continues exactly."""
+    """What a scheduler does: SIGTERM to the job. launch.sh passes it to the training processes,
+    which agree, checkpoint at the end of the step and exit 0; --resume latest then
+    continues exactly."""
     out = str(tmp_path)
     env = {**os.environ, "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())}
     cmd = ["bash", os.path.join(REPO, "launch.sh"), "sft", *map(str, sft(out, addition_jsonl))]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     wait_for(lambda: logged_steps(out) >= 3, proc)
     proc.send_signal(signal.SIGTERM)
     log, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, log[-3000:]
     k = logged_steps(out)
-    assert k < N and latest(out).endswith(f"step-{k:08d}") and "stopping after step" in log, log[-3000:]
+    assert k < N and latest(out).endswith(f"step-{k:08d}"), log[-3000:]
+    assert "stopping after step" in log, log[-3000:]
     run("train_sft.py", *sft(out, addition_jsonl, "--resume", "latest"))
     assert_same_tensors(latest(straight), latest(out))
     assert metrics(straight) == metrics(out)
@@ -105,40 +142,52 @@ def test_sigusr1_on_one_rank_stops_every_rank(tmp_path, addition_jsonl):
 
 
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, addition_jsonl):
-    """ENOSPC for real: the checkpoints live on a tmpfs with room for one checkpoint and a bit (a mount
-    namespace of this test's own). The save at step 4 fails: the run stops with a one-line error, or with
-    --on_save_error warn trains to the end; step 2 stays latest and verifies; no temp dir is left."""
+    """ENOSPC for real: the checkpoints live on a tmpfs with room for one checkpoint and a bit
+    (a mount namespace of this test's own). The save at step 4 fails: the run stops with a
+    one-line error, or with --on_save_error warn trains to the end; step 2 stays latest and
+    verifies; no temp dir is left."""
     if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"]).returncode != 0:
         pytest.skip("needs unshare -m (a private mount namespace) to mount a small tmpfs")
     out = str(tmp_path / "run")
     run("train_sft.py", *sft(out, addition_jsonl, "--save_every", 2, "--stop_at_step", 2))
     one = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(latest(out)) for f in fs)
-    saved, inspect = str(tmp_path / "saved"), str(tmp_path / "inspect")
+    saved = str(tmp_path / "saved")
+    inspect = str(tmp_path / "inspect")
     shutil.copytree(os.path.join(out, "checkpoints"), saved)
     for policy, want_rc in (("stop", 1), ("warn", 0)):
-        script = (f'mount -t tmpfs -o size={one * 3 // 2} tmpfs "$1/checkpoints" && cp -a "$2/." "$1/checkpoints/" && '
-                  f'"$3" --standalone --nproc_per_node=2 "$4" "${{@:6}}"; rc=$?; rm -rf "$5"; cp -a "$1/checkpoints" "$5"; exit $rc')
-        args = sft(out, addition_jsonl, "--save_every", 2, "--resume", "latest", "--on_save_error", policy)
-        p = subprocess.run(["unshare", "-m", "bash", "-c", script, "x", out, saved, TORCHRUN,
-                            os.path.join(REPO, "train_sft.py"), inspect, *map(str, args)],
-                           capture_output=True, text=True, timeout=600, cwd=REPO)
+        script = (
+            f'mount -t tmpfs -o size={one * 3 // 2} tmpfs "$1/checkpoints" && '
+            'cp -a "$2/." "$1/checkpoints/" && '
+            '"$3" --standalone --nproc_per_node=2 "$4" "${@:6}"; rc=$?; '
+            'rm -rf "$5"; cp -a "$1/checkpoints" "$5"; exit $rc'
+        )
+        flags = ("--save_every", 2, "--resume", "latest", "--on_save_error", policy)
+        args = sft(out, addition_jsonl, *flags)
+        cmd = ["unshare", "-m", "bash", "-c", script, "x", out, saved, TORCHRUN]
+        cmd += [os.path.join(REPO, "train_sft.py"), inspect, *map(str, args)]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
         log = p.stdout + p.stderr
         assert p.returncode == want_rc, log[-4000:]
-        # Where the disk fills decides the error (ENOSPC, or torch's zip writer: "unexpected pos"); the
-        # free space, printed with it, says why.
+        # Where the disk fills decides the error (ENOSPC, or torch's zip writer: "unexpected pos");
+        # the free space, printed with it, says why.
         assert "step-00000004 not saved" in log and " [0 MiB free]" in log, log[-4000:]
         if policy == "stop":
-            assert "error: step-00000004 not saved" in p.stderr and "[rank0]: Traceback" not in p.stderr, p.stderr[-4000:]
+            assert "error: step-00000004 not saved" in p.stderr, p.stderr[-4000:]
+            assert "[rank0]: Traceback" not in p.stderr, p.stderr[-4000:]
         else:
-            assert "training goes on (--on_save_error warn)" in log and f'"step": {N}' in open(os.path.join(out, "metrics.jsonl")).read()
+            assert "training goes on (--on_save_error warn)" in log
+            logged = open(os.path.join(out, "metrics.jsonl")).read()
+            assert f'"step": {N}' in logged
         assert open(os.path.join(inspect, "latest")).read().strip() == "step-00000002"
         assert sorted(os.listdir(inspect)) == ["latest", "step-00000002"], os.listdir(inspect)
-        assert run_py("checkpoint.py", "verify", os.path.join(inspect, "step-00000002")).returncode == 0
+        p = run_py("checkpoint.py", "verify", os.path.join(inspect, "step-00000002"))
+        assert p.returncode == 0
 
 
 def test_a_stuck_peer_is_an_error_naming_rank_and_collective(tmp_path, addition_jsonl):
-    """SIGSTOP rank 1 mid-run: rank 0's next collective times out after --timeout_minutes and the run
-    ends with one line naming the rank, the collective and where it was called, instead of hanging."""
+    """SIGSTOP rank 1 mid-run: rank 0's next collective times out after --timeout_minutes and
+    the run ends with one line naming the rank, the collective and where it was called,
+    instead of hanging."""
     out = str(tmp_path)
     with open(tmp_path / "log.txt", "w") as log:
         proc = popen(out, addition_jsonl, "--timeout_minutes", 0.2, "--max_steps", 1000, log=log)
@@ -146,19 +195,29 @@ def test_a_stuck_peer_is_an_error_naming_rank_and_collective(tmp_path, addition_
         stuck = workers(proc.pid)[1]
         stuck.suspend()
         try:
-            wait_for(lambda: "error: rank 0: collective" in open(tmp_path / "log.txt").read(), proc, timeout=120)
+            wait_for(
+                lambda: "error: rank 0: collective" in open(tmp_path / "log.txt").read(),
+                proc,
+                timeout=120,
+            )
         finally:
             stuck.resume()
             kill_tree(proc.pid)
-    line = next(l for l in open(tmp_path / "log.txt") if l.startswith("error: rank 0: collective"))
+    lines = open(tmp_path / "log.txt")
+    line = next(row for row in lines if row.startswith("error: rank 0: collective"))
     op = line.split("collective ")[1].split()[0]
-    assert any(c in op for c in ("all_reduce", "barrier", "all_gather", "broadcast", "reduce_scatter")), line
-    assert "called at train_sft.py:" in line and "Timed out" in line and "peer dead or hung" in line, line
+    collectives = ("all_reduce", "barrier", "all_gather", "broadcast", "reduce_scatter")
+    assert any(c in op for c in collectives), line
+    assert "called at train_sft.py:" in line and "Timed out" in line, line
+    assert "peer dead or hung" in line, line
 
 
 def test_save_every_minutes_saves_by_wall_time(tmp_path, addition_jsonl):
-    """--save_every_minutes adds saves by rank 0's clock to the step-count ones (here: after every step)."""
+    """--save_every_minutes adds saves by rank 0's clock to the step-count ones
+    (here: after every step)."""
     out = str(tmp_path)
-    run("train_sft.py", *sft(out, addition_jsonl, "--save_every_minutes", 1e-6, "--keep_last", 0, "--max_steps", 4))
-    assert sorted(n for n in os.listdir(os.path.join(out, "checkpoints")) if n.startswith("step-")) == \
-        [f"step-{s:08d}" for s in range(1, 5)]
+    flags = ("--save_every_minutes", 1e-6, "--keep_last", 0, "--max_steps", 4)
+    run("train_sft.py", *sft(out, addition_jsonl, *flags))
+    names = os.listdir(os.path.join(out, "checkpoints"))
+    steps = sorted(n for n in names if n.startswith("step-"))
+    assert steps == [f"step-{s:08d}" for s in range(1, 5)]

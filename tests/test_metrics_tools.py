@@ -1,4 +1,6 @@
-"""metrics.jsonl always; TensorBoard event files with --tensorboard; `plot.py` draws a run's curves."""
+"""metrics.jsonl always; TensorBoard event files with --tensorboard;
+`plot.py` draws a run's curves."""
+
 import json
 
 from conftest import run_py
@@ -6,22 +8,27 @@ from conftest import run_py
 
 def test_tensorboard_events_match_metrics_jsonl_and_plot_draws_them(tmp_path):
     out = tmp_path / "run"
-    p = run_py("train_sft.py", "--out_dir", out, "--max_steps", 3, "--train_batch_size", 8, "--micro_batch_size", 8,
-               "--eval_samples", 8, "--eval_every", 2, "--tensorboard", "true")
+    args = ("--out_dir", out, "--max_steps", 3, "--train_batch_size", 8, "--micro_batch_size", 8)
+    args += ("--eval_samples", 8, "--eval_every", 2, "--tensorboard", "true")
+    p = run_py("train_sft.py", *args)
     assert p.returncode == 0, p.stderr[-3000:]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     for key in ("train/loss", "train/lr", "eval/accuracy"):
         want = [(r["step"], r[key]) for r in rows if key in r]
         got = [(e.step, e.value) for e in events.Scalars(key)]
-        assert [s for s, _ in got] == [s for s, _ in want] and all(abs(a[1] - b[1]) < 1e-6 * max(1, abs(b[1]))
-                                                                  for a, b in zip(got, want)), (key, got, want)
+        same_steps = [s for s, _ in got] == [s for s, _ in want]
+        close = all(abs(a[1] - b[1]) < 1e-6 * max(1, abs(b[1])) for a, b in zip(got, want))
+        assert same_steps and close, (key, got, want)
 
     p = run_py("plot.py", out, tmp_path / "curves.png")
     assert p.returncode == 0, p.stderr
     png = (tmp_path / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     p = run_py("plot.py", tmp_path / "nothing-here")
-    assert p.returncode != 0 and p.stderr.strip() == f"error: {tmp_path / 'nothing-here' / 'metrics.jsonl'}: no such file (expected a run's --out_dir)"
+    missing = tmp_path / "nothing-here" / "metrics.jsonl"
+    expected = f"error: {missing}: no such file (expected a run's --out_dir)"
+    assert p.returncode != 0 and p.stderr.strip() == expected

@@ -1,11 +1,11 @@
 """PPO math against hand-computed values (Tier 1, in-process; whitening uses a 1-rank group)."""
+
 import math
 
 import pytest
 import torch
 import torch.distributed as dist
 
-import rollout
 import train_ppo as ppo
 
 
@@ -21,7 +21,8 @@ def t(x):
 
 
 def test_rewards_put_kl_on_every_token_and_the_score_on_the_last():
-    logp, ref = t([[-1.0, -2.0, -3.0], [-1.0, -1.0, -9.0]]), t([[-1.5, -2.0, -2.0], [-2.0, -1.0, -1.0]])
+    logp = t([[-1.0, -2.0, -3.0], [-1.0, -1.0, -9.0]])
+    ref = t([[-1.5, -2.0, -2.0], [-2.0, -1.0, -1.0]])
     mask = t([[1, 1, 1], [1, 1, 0]])  # the second response has 2 tokens; position 2 is padding
     rewards, kl = ppo.compute_rewards(t([1.0, 2.0]), logp, ref, mask, kl_coef=0.1)
     assert torch.allclose(kl, t([[0.5, 0.0, -1.0], [1.0, 0.0, 0.0]]))
@@ -29,41 +30,57 @@ def test_rewards_put_kl_on_every_token_and_the_score_on_the_last():
 
 
 def test_gae_by_hand():
-    adv, ret = ppo.compute_gae(t([[0.0, 0.0, 1.0]]), t([[0.5, 0.6, 0.7]]), t([[1, 1, 1]]), gamma=1.0, lam=0.9)
+    rewards = t([[0.0, 0.0, 1.0]])
+    values = t([[0.5, 0.6, 0.7]])
+    adv, ret = ppo.compute_gae(rewards, values, t([[1, 1, 1]]), gamma=1.0, lam=0.9)
     # delta_2 = 1 - 0.7 = 0.3; delta_1 = 0.7 - 0.6 = 0.1; delta_0 = 0.6 - 0.5 = 0.1
     assert torch.allclose(adv, t([[0.1 + 0.9 * (0.1 + 0.9 * 0.3), 0.1 + 0.9 * 0.3, 0.3]]))
     assert torch.allclose(ret, adv + t([[0.5, 0.6, 0.7]]))
     # Padding: the value at a padded position (9.0) must not leak into the last real token's target.
-    adv, ret = ppo.compute_gae(t([[0.0, 1.0, 0.0]]), t([[0.2, 0.4, 9.0]]), t([[1, 1, 0]]), gamma=0.5, lam=1.0)
-    assert torch.allclose(adv, t([[0.0 + 0.5 * 0.6, 1.0 - 0.4, 0.0]]))  # delta_0 = 0.5*0.4 - 0.2 = 0
+    rewards = t([[0.0, 1.0, 0.0]])
+    values = t([[0.2, 0.4, 9.0]])
+    adv, ret = ppo.compute_gae(rewards, values, t([[1, 1, 0]]), gamma=0.5, lam=1.0)
+    # delta_0 = 0.5*0.4 - 0.2 = 0
+    assert torch.allclose(adv, t([[0.0 + 0.5 * 0.6, 1.0 - 0.4, 0.0]]))
     assert torch.allclose(ret, t([[0.5, 1.0, 0.0]]))
 
 
 def test_masked_whiten():
-    x, mask = t([[1.0, 2.0, 3.0], [4.0, 50.0, 60.0]]), t([[1, 1, 1], [1, 0, 0]])
+    x = t([[1.0, 2.0, 3.0], [4.0, 50.0, 60.0]])
+    mask = t([[1, 1, 1], [1, 0, 0]])
     sd = math.sqrt(1.25)  # of 1, 2, 3, 4 (the population variance; padding ignored)
     want = t([[-1.5 / sd, -0.5 / sd, 0.5 / sd], [1.5 / sd, 0.0, 0.0]])
     assert torch.allclose(ppo.masked_whiten(x, mask), want, atol=1e-6)
-    assert torch.allclose(ppo.masked_whiten(x, mask, shift_mean=False), (want + 2.5) * mask, atol=1e-6)
+    unshifted = ppo.masked_whiten(x, mask, shift_mean=False)
+    assert torch.allclose(unshifted, (want + 2.5) * mask, atol=1e-6)
 
 
 def test_clipped_policy_loss_by_hand():
     ratio = t([[1.5, 0.5, 0.5, 1.5]])
     old = t([[-1.0, -1.0, -1.0, -1.0]])
     adv = t([[1.0, 1.0, -1.0, -1.0]])
-    loss, clipfrac, approxkl, r = ppo.policy_loss(old + ratio.log(), old, adv, torch.ones(1, 4), 0.2, n_tokens=4)
+    logp = old + ratio.log()
+    mask = torch.ones(1, 4)
+    loss, clipfrac, approxkl, r = ppo.policy_loss(logp, old, adv, mask, 0.2, n_tokens=4)
     # max(-A r, -A clip(r)): -1.2 (clipped), -0.5, 0.8 (clipped), 1.5
     assert loss.item() == pytest.approx((-1.2 - 0.5 + 0.8 + 1.5) / 4)
     assert clipfrac.item() == pytest.approx(0.5)
-    assert approxkl.item() == pytest.approx(0.5 * (2 * math.log(1.5) ** 2 + 2 * math.log(0.5) ** 2) / 4)
+    want_approxkl = 0.5 * (2 * math.log(1.5) ** 2 + 2 * math.log(0.5) ** 2) / 4
+    assert approxkl.item() == pytest.approx(want_approxkl)
     assert torch.allclose(r, ratio)
     # A padded token contributes nothing, whatever its values.
-    loss2, *_ = ppo.policy_loss(t([[0.0, 5.0]]), t([[0.0, -5.0]]), t([[1.0, 100.0]]), t([[1, 0]]), 0.2, n_tokens=1)
+    logp = t([[0.0, 5.0]])
+    old = t([[0.0, -5.0]])
+    adv = t([[1.0, 100.0]])
+    loss2, *_ = ppo.policy_loss(logp, old, adv, t([[1, 0]]), 0.2, n_tokens=1)
     assert loss2.item() == pytest.approx(-1.0)
 
 
 def test_value_loss_clipped_and_not():
-    v, old, ret, m = t([[1.0, 0.0]]), t([[0.5, 0.0]]), t([[0.0, 0.3]]), t([[1, 1]])
+    v = t([[1.0, 0.0]])
+    old = t([[0.5, 0.0]])
+    ret = t([[0.0, 0.3]])
+    m = t([[1, 1]])
     loss, frac = ppo.value_loss(v, old, ret, m, 0.0, n_tokens=2)
     assert loss.item() == pytest.approx(0.5 * (1.0 + 0.09) / 2) and frac.item() == 0
     # clipped: v 1.0 -> 0.7 (old 0.5 + 0.2): max(1.0, 0.49) = 1.0; second token unchanged 0.09
@@ -71,7 +88,8 @@ def test_value_loss_clipped_and_not():
     assert loss.item() == pytest.approx(0.5 * (1.0 + 0.09) / 2) and frac.item() == 0
     v = t([[0.0, 0.0]])  # now clipping raises the loss: 0.5 - 0.2 = 0.3 -> (0.3)^2 > 0
     loss, frac = ppo.value_loss(v, old, ret, m, 0.2, n_tokens=2)
-    assert loss.item() == pytest.approx(0.5 * (0.09 + 0.09) / 2) and frac.item() == pytest.approx(0.5)
+    assert loss.item() == pytest.approx(0.5 * (0.09 + 0.09) / 2)
+    assert frac.item() == pytest.approx(0.5)
 
 
 def test_group_baselines():
@@ -80,7 +98,8 @@ def test_group_baselines():
     std = math.sqrt(1 / 3)  # unbiased std of 1, 0, 0, 1
     assert torch.allclose(grpo, t([[0.5, -0.5, -0.5, 0.5]]) / (std + 1e-4))
     assert torch.allclose(ppo.group_advantages(s, "rloo"), t([[2 / 3, -2 / 3, -2 / 3, 2 / 3]]))
-    assert torch.allclose(ppo.group_advantages(t([[1.0, 1.0]]), "grpo"), t([[0.0, 0.0]]))  # no signal, no NaN
+    # no signal, no NaN
+    assert torch.allclose(ppo.group_advantages(t([[1.0, 1.0]]), "grpo"), t([[0.0, 0.0]]))
 
 
 def test_eos_penalty():
@@ -89,21 +108,29 @@ def test_eos_penalty():
 
 
 def test_adaptive_kl_controller():
-    assert ppo.update_kl_coef(0.1, kl=12.0, target=6.0, n_responses=100, horizon=1000) == pytest.approx(0.1 * 1.02)
-    assert ppo.update_kl_coef(0.1, kl=6.6, target=6.0, n_responses=100, horizon=1000) == pytest.approx(0.1 * 1.01)
-    assert ppo.update_kl_coef(0.1, kl=0.0, target=6.0, n_responses=100, horizon=1000) == pytest.approx(0.1 * 0.98)
+    def coef(kl):
+        return ppo.update_kl_coef(0.1, kl=kl, target=6.0, n_responses=100, horizon=1000)
+
+    assert coef(12.0) == pytest.approx(0.1 * 1.02)
+    assert coef(6.6) == pytest.approx(0.1 * 1.01)
+    assert coef(0.0) == pytest.approx(0.1 * 0.98)
 
 
 def test_make_batch_layout():
-    ids, attn, pos, mask, P = rollout.make_batch([[5, 6], [7]], [[8, 2], [9, 10, 2]], pad_id=0)
-    assert P == 2
-    assert ids.tolist() == [[5, 6, 8, 2, 0], [0, 7, 9, 10, 2]]
-    assert attn.tolist() == [[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]]
-    assert pos.tolist() == [[0, 1, 2, 3, 3], [0, 0, 1, 2, 3]]
-    assert mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    batch = ppo.make_batch([[5, 6], [7]], [[8, 2], [9, 10, 2]], pad_id=0)
+    assert batch.response_start == 2
+    assert batch.input_ids.tolist() == [[5, 6, 8, 2, 0], [0, 7, 9, 10, 2]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 3], [0, 0, 1, 2, 3]]
+    assert batch.response_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    # the shift: the output at column P - 1 + k is the one that predicts response token k
+    outputs = torch.arange(5)[None].expand(2, 5)
+    assert ppo.at_responses(outputs, batch).tolist() == [[1, 2, 3], [1, 2, 3]]
 
 
 def test_k3_kl_loss():
-    logp, ref = t([[math.log(0.5), math.log(0.2)]]), t([[math.log(0.25), math.log(0.2)]])
+    logp = t([[math.log(0.5), math.log(0.2)]])
+    ref = t([[math.log(0.25), math.log(0.2)]])
     # k3 = r - log r - 1 with r = pi_ref/pi: 0.5 - log 0.5 - 1 on token 0, 0 on token 1
-    assert ppo.kl_loss(logp, ref, t([[1, 1]]), n_tokens=2).item() == pytest.approx((0.5 - math.log(0.5) - 1) / 2)
+    want = (0.5 - math.log(0.5) - 1) / 2
+    assert ppo.kl_loss(logp, ref, t([[1, 1]]), n_tokens=2).item() == pytest.approx(want)

@@ -1,12 +1,26 @@
-"""Exact resume of train_sft.py under torchrun with 2 ranks, and the checkpoint's safety guarantees."""
-import io, json, os, pickle, subprocess, time
+"""Exact resume of train_sft.py under torchrun with 2 ranks,
+and the checkpoint's safety guarantees."""
+
+import io
+import json
+import os
+import pickle
+import subprocess
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (REPO, TORCHRUN, assert_same_tensors, kill_tree, latest, metrics, rewrite_manifest, run,
-                      run_py)
+from conftest import REPO
+from conftest import TORCHRUN
+from conftest import assert_same_tensors
+from conftest import kill_tree
+from conftest import latest
+from conftest import metrics
+from conftest import rewrite_manifest
+from conftest import run
+from conftest import run_py
 
 pytestmark = pytest.mark.slow
 
@@ -14,9 +28,12 @@ N = 10  # steps; the 64-example file makes 4 steps per epoch
 
 
 def sft(out, data, *extra, model=None):
-    return ("--data", data, "--eval_data", data, "--eval_samples", 16, "--train_batch_size", 16,
-            "--micro_batch_size", 4, "--max_steps", N, "--eval_every", 5, "--save_every", 100,
-            "--warmup_steps", 2, "--out_dir", out, *(("--model", model) if model else ()), *extra)
+    args = ("--data", data, "--eval_data", data, "--eval_samples", 16, "--train_batch_size", 16)
+    args += ("--micro_batch_size", 4, "--max_steps", N, "--eval_every", 5, "--save_every", 100)
+    args += ("--warmup_steps", 2, "--out_dir", out)
+    if model:
+        args += ("--model", model)
+    return args + extra
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +59,18 @@ def test_resume_is_bitwise_exact(k, tmp_path, straight_dropout, addition_jsonl, 
     assert f"at step {k}" in p.stdout + p.stderr
     assert_same_tensors(latest(straight_dropout), latest(out))
     assert metrics(straight_dropout) == metrics(out)  # every step's loss, lr, grad norm, accuracy
-    a, b = (json.load(open(os.path.join(latest(d), "meta.json"))) for d in (straight_dropout, out))
-    assert a["scheduler"] == b["scheduler"] and a["consumed_samples"] == b["consumed_samples"] == N * 16
-    ea, eb = (load_file(os.path.join(d, "hf", "model.safetensors")) for d in (straight_dropout, out))
+    a = json.load(open(os.path.join(latest(straight_dropout), "meta.json")))
+    b = json.load(open(os.path.join(latest(out), "meta.json")))
+    assert a["scheduler"] == b["scheduler"]
+    assert a["consumed_samples"] == b["consumed_samples"] == N * 16
+    ea = load_file(os.path.join(straight_dropout, "hf", "model.safetensors"))
+    eb = load_file(os.path.join(out, "hf", "model.safetensors"))
     assert ea.keys() == eb.keys() and all(torch.equal(ea[n], eb[n]) for n in ea)
 
 
 def test_dropout_makes_rng_matter(straight_dropout, straight):
-    """The dropout run differs from the dropout-free one, so the exact match above needed the RNG."""
+    """The dropout run differs from the dropout-free one,
+    so the exact match above needed the RNG."""
     assert metrics(straight_dropout)[1]["train/loss"] != metrics(straight)[1]["train/loss"]
 
 
@@ -59,12 +80,14 @@ def test_resume_on_one_rank_continues_from_the_right_sample(tmp_path, straight, 
     run("train_sft.py", *sft(out, addition_jsonl, "--stop_at_step", k))
     p = run("train_sft.py", *sft(out, addition_jsonl, "--resume", "latest"), nproc=1)
     assert "RNG streams cannot" in p.stdout + p.stderr
-    want, got = metrics(straight), metrics(out)
+    want = metrics(straight)
+    got = metrics(out)
     assert [r["step"] for r in got] == list(range(1, N + 1))
-    # Same weights (resharded by DCP) and the same batch: step k+1's loss matches up to summation order.
-    # A wrong data position would give another batch, whose loss differs by far more.
+    # Same weights (resharded by DCP) and the same batch: step k+1's loss matches up to summation
+    # order. A wrong data position would give another batch, whose loss differs by far more.
     assert abs(got[k]["train/loss"] - want[k]["train/loss"]) < 1e-5
-    assert min(abs(want[k]["train/loss"] - r["train/loss"]) for r in want if r["step"] != k + 1) > 1e-3
+    others = [abs(want[k]["train/loss"] - r["train/loss"]) for r in want if r["step"] != k + 1]
+    assert min(others) > 1e-3
     for r, w in zip(got[k:], want[k:]):
         assert abs(r["train/loss"] - w["train/loss"]) < 1e-3
 
@@ -72,8 +95,9 @@ def test_resume_on_one_rank_continues_from_the_right_sample(tmp_path, straight, 
 def test_sigkill_during_save_leaves_a_verified_latest(tmp_path, straight, addition_jsonl):
     out = str(tmp_path)
     root = os.path.join(out, "checkpoints")
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", os.path.join(REPO, "train_sft.py"),
-           *map(str, sft(out, addition_jsonl, "--save_every", 1, "--keep_last", 2))]
+    args = sft(out, addition_jsonl, "--save_every", 1, "--keep_last", 2)
+    script = os.path.join(REPO, "train_sft.py")
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", script, *map(str, args)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     killed_in_save = False
     while proc.poll() is None:  # kill the whole group the moment a save is under way
@@ -104,12 +128,14 @@ def test_corrupt_checkpoint_is_detected(tmp_path, addition_jsonl):
     open(victim, "wb").write(data)
 
     p = run_py("checkpoint.py", "verify", newest)
-    assert p.returncode != 0 and "__0_0.distcp" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert p.returncode != 0 and "__0_0.distcp" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
     p = run("train_sft.py", *args, "--resume", newest, check=False)
     assert p.returncode != 0 and "__0_0.distcp: checksum mismatch" in p.stderr
     p = run("train_sft.py", *args, "--resume", "latest")
     assert "WARNING: skipping checkpoint step-00000006" in p.stdout + p.stderr
-    assert "resumed from" in p.stdout + p.stderr and "step-00000003 at step 3" in p.stdout + p.stderr
+    assert "resumed from" in p.stdout + p.stderr
+    assert "step-00000003 at step 3" in p.stdout + p.stderr
 
     # Truncation of a small file of the (re-saved) newest checkpoint is caught as well.
     rng = os.path.join(latest(out), "rng-rank1.json")
@@ -117,8 +143,11 @@ def test_corrupt_checkpoint_is_detected(tmp_path, addition_jsonl):
     p = run("train_sft.py", *args, "--resume", latest(out), check=False)
     assert p.returncode != 0 and "rng-rank1.json: size 100" in p.stderr
     root = os.path.join(out, "checkpoints")
-    p = run_py("checkpoint.py", "verify", os.path.join(root, "step-00000003"), os.path.join(root, "step-00000006"))
-    assert p.returncode != 0 and "step-00000003: ok, step 3" in p.stdout and "rng-rank1.json: size 100" in p.stderr
+    older = os.path.join(root, "step-00000003")
+    newer = os.path.join(root, "step-00000006")
+    p = run_py("checkpoint.py", "verify", older, newer)
+    assert p.returncode != 0 and "step-00000003: ok, step 3" in p.stdout
+    assert "rng-rank1.json: size 100" in p.stderr
 
 
 class Payload:
@@ -131,7 +160,8 @@ class Payload:
 
 def test_pickle_payloads_are_refused(tmp_path, addition_jsonl):
     out = str(tmp_path / "run")
-    args = sft(out, addition_jsonl, "--max_steps", 1, "--train_batch_size", 4, "--micro_batch_size", 4)
+    flags = ("--max_steps", 1, "--train_batch_size", 4, "--micro_batch_size", 4)
+    args = sft(out, addition_jsonl, *flags)
     run("train_sft.py", *args, nproc=1)
     ckpt = latest(out)
     meta_path = os.path.join(ckpt, "dcp", ".metadata")
@@ -147,7 +177,8 @@ def test_pickle_payloads_are_refused(tmp_path, addition_jsonl):
     assert p.returncode != 0 and "refusing to unpickle" in p.stderr
     assert not marker.exists()
 
-    # 2. A non-tensor entry (an optimizer param_group value) is a torch.save pickle inside a .distcp.
+    # 2. A non-tensor entry (an optimizer param_group value) is a torch.save pickle
+    # inside a .distcp.
     md = pickle.loads(original)  # our own, trusted file
     key = next(k for k in md.storage_data if k.fqn.endswith("param_groups.0.lr"))
     info = md.storage_data[key]
@@ -167,19 +198,25 @@ def test_pickle_payloads_are_refused(tmp_path, addition_jsonl):
 def test_torchrun_restarts_a_killed_rank_and_resumes(tmp_path, straight, addition_jsonl):
     """launch.sh passes --max-restarts: when a rank dies the group restarts, and the restarted run
     (TORCHELASTIC_RESTART_COUNT > 0) resumes from latest by itself and ends with the same weights.
-    Without init_distributed's per-attempt store prefix this failed 3 times in 5 here (gloo could not
-    connect: the new group read the dead group's addresses)."""
+    Without init_distributed's per-attempt store prefix this failed 3 times in 5 here (gloo could
+    not connect: the new group read the dead group's addresses)."""
     import psutil
+
     out = str(tmp_path)
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", os.path.join(REPO, "train_sft.py"),
-           *map(str, sft(out, addition_jsonl, "--save_every", 3))]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    args = sft(out, addition_jsonl, "--save_every", 3)
+    script = os.path.join(REPO, "train_sft.py")
+    launcher = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1"]
+    cmd = [*launcher, script, *map(str, args)]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     killed = False
     while proc.poll() is None and not killed:  # SIGKILL rank 1 once a checkpoint exists
         if os.path.exists(os.path.join(out, "checkpoints", "latest")):
             for child in psutil.Process(proc.pid).children(recursive=True):
                 try:
-                    if child.environ().get("RANK") == "1" and "train_sft.py" in " ".join(child.cmdline()):
+                    rank = child.environ().get("RANK")
+                    if rank == "1" and "train_sft.py" in " ".join(child.cmdline()):
                         child.kill()
                         killed = True
                 except psutil.NoSuchProcess:

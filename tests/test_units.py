@@ -1,18 +1,25 @@
 """Tier 1: small pieces checked against hand-computed values, in-process (no torchrun)."""
-import json, math, os, pickle, random
+
+import json
+import math
+import os
+import pickle
+import random
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import REPO
 import checkpoint
+import common
 import task
 import train_sft
+from conftest import REPO
 
 
 def test_task_split_is_deterministic_and_disjoint():
-    train, test = task.make_split("train"), task.make_split("test")
+    train = task.make_split("train")
+    test = task.make_split("test")
     assert len(test) == task.N_HELD_OUT and len(train) == 100 * 100 - task.N_HELD_OUT
     assert train == task.make_split("train")
     assert not {e["prompt"] for e in train} & {e["prompt"] for e in test}
@@ -30,7 +37,9 @@ def test_reward_fn():
 
 
 def test_tokenizer_and_tiny_model(tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
     ids = tok("37+45=").input_ids
     assert ids[0] == tok.bos_token_id and len(ids) == 7
@@ -55,7 +64,8 @@ def test_collate_masks_prompt_and_padding():
 
 
 def test_sft_loss_by_hand():
-    # Vocabulary of 2, T=3: logits favour token 1 at position 0 by log(3) (p=3/4), uniform at position 1.
+    # Vocabulary of 2, T=3: logits favour token 1 at position 0 by log(3) (p=3/4),
+    # uniform at position 1.
     logits = torch.tensor([[[0.0, math.log(3)], [0.0, 0.0], [5.0, 5.0]]])
     labels = torch.tensor([[-100, 1, 0]])  # targets for positions 0 and 1 are labels[1:]
     want = (-math.log(3 / 4) - math.log(1 / 2)) / 4  # summed over 2 tokens, divided by n_tokens=4
@@ -63,17 +73,21 @@ def test_sft_loss_by_hand():
 
 
 def test_batch_indices_cover_each_epoch_once_and_are_pure():
-    n, bs, seed = 50, 8, 3  # 6 full batches per epoch, 2 examples dropped
-    epoch0 = [i for s in range(6) for i in task.batch_indices(s, n, bs, seed)[0]]
+    # 50 examples in batches of 8: 6 full batches per epoch, 2 examples dropped
+    n = 50
+    bs = 8
+    seed = 3
+    epoch0 = [i for s in range(6) for i in common.batch_indices(s, n, bs, seed)[0]]
     assert len(set(epoch0)) == 48
-    assert task.batch_indices(6, n, bs, seed)[1] == 1  # step 6 starts epoch 1
-    assert task.batch_indices(6, n, bs, seed)[0] != task.batch_indices(0, n, bs, seed)[0]
-    assert task.batch_indices(4, n, bs, seed) == task.batch_indices(4, n, bs, seed)
-    assert task.batch_indices(4, n, bs, seed + 1) != task.batch_indices(4, n, bs, seed)
+    assert common.batch_indices(6, n, bs, seed)[1] == 1  # step 6 starts epoch 1
+    assert common.batch_indices(6, n, bs, seed)[0] != common.batch_indices(0, n, bs, seed)[0]
+    assert common.batch_indices(4, n, bs, seed) == common.batch_indices(4, n, bs, seed)
+    assert common.batch_indices(4, n, bs, seed + 1) != common.batch_indices(4, n, bs, seed)
 
 
 def test_encode_appends_eos_and_rejects_overlong():
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
     ids, n_prompt = train_sft.encode(tok, {"prompt": "1+2=", "response": "3"}, 64, "x")
     assert n_prompt == 5 and ids[-1] == tok.eos_token_id and tok.decode(ids[n_prompt:-1]) == "3"
@@ -81,26 +95,39 @@ def test_encode_appends_eos_and_rejects_overlong():
         train_sft.encode(tok, {"prompt": "11+22=", "response": "3"}, 8, "data.jsonl:7")
 
 
-@pytest.mark.parametrize("content,message", [
-    ('{"prompt": "1+1=", "response": "2"}\n{"prompt": "1+1=", \n', r"data.jsonl:2: not valid JSON"),
-    ('{"prompt": "1+1=", "response": "2"}\n\n{"prompt": "1+1="}\n', r"data.jsonl:3: expected a string field 'response'"),
-    ('["prompt"]\n', r"data.jsonl:1: expected a string field 'prompt'"),
-    ('\n\n', r"data.jsonl: no examples"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (
+            '{"prompt": "1+1=", "response": "2"}\n{"prompt": "1+1=", \n',
+            r"data.jsonl:2: not valid JSON",
+        ),
+        (
+            '{"prompt": "1+1=", "response": "2"}\n\n{"prompt": "1+1="}\n',
+            r"data.jsonl:3: expected a string field 'response'",
+        ),
+        ('["prompt"]\n', r"data.jsonl:1: expected a string field 'prompt'"),
+        ("\n\n", r"data.jsonl: no examples"),
+    ],
+)
 def test_load_jsonl_errors_name_file_and_line(tmp_path, content, message):
     (tmp_path / "data.jsonl").write_text(content)
     with pytest.raises(SystemExit, match=message):
-        task.load_jsonl(str(tmp_path / "data.jsonl"), ("prompt", "response"))
+        common.load_jsonl(str(tmp_path / "data.jsonl"), ("prompt", "response"))
     with pytest.raises(SystemExit, match="nope.jsonl: no such file"):
-        task.load_jsonl(str(tmp_path / "nope.jsonl"), ("prompt",))
+        common.load_jsonl(str(tmp_path / "nope.jsonl"), ("prompt",))
 
 
 def test_rng_state_round_trips_through_json():
-    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
     np.random.randn()  # leaves a cached gaussian in numpy's state
     state = json.loads(json.dumps(checkpoint.rng_state()))
     want = (random.random(), np.random.randn(), np.random.rand(), torch.rand(3))
-    random.seed(2), np.random.seed(2), torch.manual_seed(2)
+    random.seed(2)
+    np.random.seed(2)
+    torch.manual_seed(2)
     checkpoint.set_rng_state(state)
     got = (random.random(), np.random.randn(), np.random.rand(), torch.rand(3))
     assert want[:3] == got[:3] and torch.equal(want[3], got[3])
@@ -108,6 +135,7 @@ def test_rng_state_round_trips_through_json():
 
 def test_safe_unpickler_refuses_code():
     import io
+
     payload = pickle.dumps(os.system)  # any global outside the DCP metadata classes
     with pytest.raises(checkpoint.CheckpointError, match="refusing to unpickle posix.system"):
         checkpoint._SafeUnpickler(io.BytesIO(payload)).load()
@@ -117,7 +145,8 @@ def test_verify_names_the_bad_file(tmp_path):
     (tmp_path / "a.bin").write_bytes(b"hello")
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b.bin").write_bytes(b"world")
-    (tmp_path / "manifest.json").write_text(json.dumps({"step": 1, "files": checkpoint._manifest_files(str(tmp_path))}))
+    files = checkpoint._manifest_files(str(tmp_path))
+    (tmp_path / "manifest.json").write_text(json.dumps({"step": 1, "files": files}))
     assert checkpoint.verify(str(tmp_path))["step"] == 1
     (tmp_path / "sub" / "b.bin").write_bytes(b"World")
     with pytest.raises(checkpoint.CheckpointError, match=r"sub/b.bin: checksum mismatch"):
@@ -131,8 +160,12 @@ def test_verify_names_the_bad_file(tmp_path):
 
 def test_encode_prompt_uses_the_chat_template_when_there_is_one():
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
-    assert task.encode_prompt(tok, "1+2=") == tok("1+2=").input_ids  # no template: the raw prompt
-    tok.chat_template = "{% for m in messages %}U:{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
-    ids = task.encode_prompt(tok, "1+2=")
+    assert common.encode_prompt(tok, "1+2=") == tok("1+2=").input_ids  # no template: the raw prompt
+    tok.chat_template = (
+        "{% for m in messages %}U:{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}A:{% endif %}"
+    )
+    ids = common.encode_prompt(tok, "1+2=")
     assert tok.decode(ids, skip_special_tokens=True) == "U:1+2=A:"

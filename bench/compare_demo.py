@@ -1,0 +1,125 @@
+"""Does the demo still give the same numbers? Compare a demo run with a reference, tensor by tensor.
+
+A change that is meant to keep behaviour (a rewrite, a refactor, a speed-up that should not touch
+numerics) must leave `./launch.sh demo` bitwise the same: the SFT and PPO exports equal tensor for
+tensor (`torch.equal`), and every metric but the timings equal.
+
+    python bench/compare_demo.py record runs/demo bench/demo_reference.json   # before the change
+    python bench/compare_demo.py check runs/demo bench/demo_reference.json    # after it
+    python bench/compare_demo.py diff runs/demo /other/checkout/runs/demo     # two runs directly
+
+The reference file holds, per stage, a digest of every tensor of the export (dtype, shape and the
+sha256 of its bytes: equal digests mean torch.equal tensors) and the metrics rows without `time/*`.
+The committed `bench/demo_reference.json` was recorded on the 2-core x86-64 CPU machine the project
+is developed on: float results can differ on another CPU (other SIMD kernels), so record your own
+reference before a change rather than comparing with ours.
+"""
+
+import hashlib
+import json
+import os
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+STAGES = ("sft", "ppo")
+
+
+def tensors(run_dir, stage):
+    return load_file(os.path.join(run_dir, stage, "hf", "model.safetensors"))
+
+
+def digest(tensor):
+    data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+    return {
+        "dtype": str(tensor.dtype),
+        "shape": list(tensor.shape),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+
+
+def metrics_rows(run_dir, stage):
+    """metrics.jsonl without the timings, which differ from run to run."""
+    rows = []
+    for line in open(os.path.join(run_dir, stage, "metrics.jsonl")):
+        row = json.loads(line)
+        rows.append({k: v for k, v in row.items() if not k.startswith("time/")})
+    return rows
+
+
+def summary(run_dir):
+    out = {}
+    for stage in STAGES:
+        state = tensors(run_dir, stage)
+        out[stage] = {
+            "tensors": {name: digest(t) for name, t in sorted(state.items())},
+            "metrics": metrics_rows(run_dir, stage),
+        }
+    return out
+
+
+def differences(got, want):
+    """Readable lines for every difference between two summaries (empty: the same)."""
+    lines = []
+    for stage in STAGES:
+        a = got[stage]["tensors"]
+        b = want[stage]["tensors"]
+        if a.keys() != b.keys():
+            lines.append(f"{stage}: tensor names differ: {sorted(a.keys() ^ b.keys())}")
+        unequal = [name for name in sorted(a.keys() & b.keys()) if a[name] != b[name]]
+        if unequal:
+            lines.append(f"{stage}: {len(unequal)} tensors differ, e.g. {unequal[:3]}")
+        rows_a = got[stage]["metrics"]
+        rows_b = want[stage]["metrics"]
+        if len(rows_a) != len(rows_b):
+            lines.append(f"{stage}: {len(rows_a)} metrics rows, reference {len(rows_b)}")
+        for row_a, row_b in zip(rows_a, rows_b):
+            if row_a != row_b:
+                lines.append(f"{stage}: metrics differ at step {row_b.get('step')}")
+                lines.append(f"  got       {row_a}")
+                lines.append(f"  reference {row_b}")
+                break
+    return lines
+
+
+def diff_runs(run_a, run_b):
+    """Two run folders directly, with torch.equal on every tensor."""
+    lines = []
+    for stage in STAGES:
+        a = tensors(run_a, stage)
+        b = tensors(run_b, stage)
+        unequal = [n for n in sorted(a) if n not in b or not torch.equal(a[n], b[n])]
+        if unequal or a.keys() != b.keys():
+            lines.append(f"{stage}: {len(unequal)} tensors differ, e.g. {unequal[:3]}")
+    got = summary(run_a)
+    want = summary(run_b)
+    for line in differences(got, want):
+        if "tensors differ" not in line:
+            lines.append(line)
+    return lines
+
+
+def main(argv):
+    if len(argv) != 3 or argv[0] not in ("record", "check", "diff"):
+        sys.exit(__doc__.split("\n\n")[2])
+    command, run_dir, other = argv
+    if command == "record":
+        with open(other, "w") as f:
+            json.dump(summary(run_dir), f, indent=1)
+        print(f"recorded {run_dir} -> {other}")
+        return
+    if command == "check":
+        with open(other) as f:
+            lines = differences(summary(run_dir), json.load(f))
+    else:
+        lines = diff_runs(run_dir, other)
+    for line in lines:
+        print(line)
+    if lines:
+        sys.exit(f"DIFFERENT: {run_dir} vs {other}")
+    print(f"SAME: every tensor and every metric but the timings of {run_dir} equal {other}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,344 @@
+"""The plumbing every stage shares, so that the stage files can hold the algorithm and nothing else.
+
+What lives here: command-line arguments from a stage's `Args` dataclass, the process group and
+its signals, `print0` and the metrics log, the data helpers (JSONL, prompts, batch order), FSDP2
+sharding, model and tokenizer loading, the end-of-step checkpoint decision, and `run`, which turns a
+bad checkpoint or a failed collective into one line. What never lives here: losses, advantages,
+update rules, anything a reader of RLHF came to learn. Those are written out in the stage files
+(`train_sft.py`, `train_ppo.py`), next to the paper they come from, even where two stages look
+alike.
+(Anchor: nanochat's `nanochat/common.py`.)
+"""
+
+import argparse
+import ast
+import dataclasses
+import datetime
+import gc
+import importlib.util
+import inspect
+import json
+import os
+import random
+import signal
+import sys
+import traceback
+import typing
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+import checkpoint
+import task
+
+
+# ---- arguments -----------------------------------------------------------------------------------
+def field_docs(cls):
+    """{field name: its docstring}: the string literal under each field of a dataclass."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    docs = {}
+    for field, doc in zip(body, body[1:]):
+        is_field = isinstance(field, ast.AnnAssign)
+        is_doc = isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+        if is_field and is_doc:
+            docs[field.target.id] = doc.value.value
+    return docs
+
+
+def parse_bool(text):
+    """Only 'true' or 'false' (any case): a typo is an error, not a silent False."""
+    if text.lower() not in ("true", "false"):
+        raise ValueError(text)
+    return text.lower() == "true"
+
+
+def parse_args(cls):
+    """The `Args` dataclass from the command line; each field's docstring is its --help."""
+    docs = field_docs(cls)
+    description = sys.modules[cls.__module__].__doc__.split("\n")[0]
+    parser = argparse.ArgumentParser(description=description)
+    for f in dataclasses.fields(cls):
+        choices = typing.get_args(f.type) or None  # typing.Literal["stop", "warn"]
+        kind = f.type
+        if f.type is bool:
+            kind = parse_bool
+        if choices:
+            kind = str
+        help_text = f"{docs[f.name]} (default: {f.default!r})"
+        parser.add_argument(
+            f"--{f.name}", type=kind, choices=choices, default=f.default, help=help_text
+        )
+    args = cls(**vars(parser.parse_args()))
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise SystemExit(
+            "error: --tensorboard needs the tensorboard package: pip install tensorboard"
+        )
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if restarted and not args.resume:
+        args.resume = (
+            "latest"  # torchrun --max-restarts restarted the group: carry on where it stopped
+        )
+    return args
+
+
+# ---- processes -----------------------------------------------------------------------------------
+def init_distributed(seed, timeout_minutes=30.0):
+    """One process group for all: NCCL on GPUs, gloo on CPUs; plain `python` gets a 1-rank group.
+
+    Seeds every RNG per rank (dropout masks must differ across ranks); a resume restores them.
+    Collectives fail after timeout_minutes (a peer dead or stuck), where they would hang forever.
+    Returns (rank, world size, device)."""
+    if "RANK" in os.environ:
+        store, rank, world = next(dist.rendezvous("env://"))
+    else:
+        store = dist.HashStore()
+        rank = 0
+        world = 1
+    # torchrun restarts reuse its store; unprefixed, a new group read dead peers' addresses (gloo)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)
+    store = dist.PrefixStore(f"attempt{attempt}/", store)
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group(
+            "nccl", device_id=device, store=store, rank=rank, world_size=world, timeout=timeout
+        )
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    rank = dist.get_rank()
+    random.seed(seed + rank)
+    np.random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
+    watch_signals()
+    return rank, dist.get_world_size(), device
+
+
+SIGNALS = []  # SIGTERM/SIGUSR1 received: the step ends with a checkpoint, then the run exits 0
+
+
+def note_signal(signum, frame):
+    SIGNALS.append(signum)
+
+
+def watch_signals():
+    """Schedulers send SIGTERM before a kill (SLURM: --signal=USR1@secs earlier): note it, and let
+    the step finish; `end_of_step` then saves and stops. Nothing is done inside the handler."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, note_signal)
+
+
+def print0(*parts):
+    """print on rank 0 only, above the progress bar."""
+    if dist.get_rank() == 0:
+        tqdm.write(" ".join(str(x) for x in parts))
+
+
+def global_sums(local, device):
+    """Collective: {name: sum over ranks} of this rank's {name: number}. One all_reduce carries them
+    all (in float32, the order of the dict), so logging costs one collective per step."""
+    names = list(local)
+    values = [torch.as_tensor(local[name], dtype=torch.float32).to(device) for name in names]
+    stacked = torch.stack(values)
+    dist.all_reduce(stacked)  # every rank's share of each statistic
+    return dict(zip(names, stacked.tolist()))
+
+
+# ---- the metrics log -----------------------------------------------------------------------------
+class MetricsLog:
+    """<out_dir>/metrics.jsonl, one {"step": ..., "<group>/<name>": ...} per line (rank 0 writes);
+    with --tensorboard, the numbers also go to TensorBoard event files in <out_dir>/tensorboard/."""
+
+    def __init__(self, out_dir, tensorboard=False):
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.tensorboard_dir = os.path.join(out_dir, "tensorboard")
+        self.tensorboard = tensorboard
+        self.writer = None  # the SummaryWriter, made by the first log()
+
+    def truncate(self, step):
+        """A resumed run redoes the steps its predecessor logged after the checkpoint: drop them."""
+        if dist.get_rank() != 0 or not os.path.exists(self.path):
+            return
+        kept = []
+        for line in open(self.path):
+            # A kill can cut the last line short: only whole lines count.
+            if line.endswith("}\n") and json.loads(line)["step"] <= step:
+                kept.append(line)
+        with open(self.path, "w") as f:
+            f.writelines(kept)
+
+    def log(self, metrics, step):
+        if dist.get_rank() != 0:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.tensorboard:
+            self.log_tensorboard(metrics, step)
+
+    def log_tensorboard(self, metrics, step):
+        if self.writer is None:
+            # needs the tensorboard package (parse_args checked it is there)
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: TensorBoard hides what a killed predecessor logged from here on (we
+            # redo those steps)
+            self.writer = SummaryWriter(self.tensorboard_dir, purge_step=step)
+        for name, value in metrics.items():
+            if isinstance(value, (int, float)):  # not e.g. rollout/responses_sha
+                self.writer.add_scalar(name, value, step)
+        self.writer.flush()
+
+
+# ---- data ----------------------------------------------------------------------------------------
+def load_jsonl(path, fields):
+    """The rows of a JSONL file, each an object with string `fields`; errors name file and line."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: {path}: no such file")
+    rows = []
+    for n, line in enumerate(open(path), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise SystemExit(f"error: {path}:{n}: not valid JSON ({e})")
+        for field in fields:
+            if not isinstance(row, dict) or not isinstance(row.get(field), str):
+                raise SystemExit(f"error: {path}:{n}: expected a string field {field!r}")
+        rows.append(row)
+    if not rows:
+        raise SystemExit(f"error: {path}: no examples")
+    return rows
+
+
+def encode_prompt(tok, prompt):
+    """Token ids of a prompt: the chat template's user turn when the tokenizer has one."""
+    if tok.chat_template:
+        messages = [{"role": "user", "content": prompt}]
+        return tok.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    return tok(prompt).input_ids
+
+
+def batch_indices(step, n, batch_size, seed):
+    """(global example indices of optimizer step `step`, epoch). A pure function of (seed, step), so
+    resuming at any step (or on another world size) lands on exactly the same data; no sampler state
+    to lose. The incomplete last batch of an epoch is dropped."""
+    per_epoch = n // batch_size
+    epoch, i = divmod(step, per_epoch)
+    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    perm = torch.randperm(n, generator=generator)
+    return perm[i * batch_size : (i + 1) * batch_size].tolist(), epoch
+
+
+# ---- models --------------------------------------------------------------------------------------
+def shard_model(model, device):
+    """FSDP2: fully_shard every transformer block (HF names them in _no_split_modules), then the
+    root.
+    bf16 compute with fp32 gradient reduction and fp32 master weights on GPU; plain fp32 on CPU."""
+    if device.type == "cuda":
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp_policy = MixedPrecisionPolicy()
+    block_names = model._no_split_modules or []
+    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
+    for block in blocks:
+        fully_shard(block, mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)
+    return model
+
+
+def load_model_and_tokenizer(path, cls, **kwargs):
+    """(model, tokenizer) from an HF folder or hub id, fp32 master weights; one line if it fails."""
+    if path == task.TINY_MODEL:
+        task.ensure_tiny_model(path)  # every rank: atomic and deterministic, so no barrier needed
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = cls.from_pretrained(path, dtype=torch.float32, **kwargs)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: --model {path}: cannot load ({str(e).splitlines()[0]})")
+    if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
+        raise SystemExit(f"error: --model {path}: tokenizer needs a PAD token distinct from EOS")
+    return model, tok
+
+
+# ---- the end of every step -----------------------------------------------------------------------
+def end_of_step(args, step, device, roles, meta, hf_objs):
+    """Collective: save a checkpoint when one is due, and say whether the run stops here.
+
+    Due: every --save_every steps, after --save_every_minutes, at the last step, at --stop_at_step,
+    and when a signal arrived on any rank (`checkpoint.boundary` makes that one decision for all).
+    Returns (the checkpoint committed now, or None; stop?)."""
+    due, signalled = checkpoint.boundary(
+        step, args.save_every, args.save_every_minutes, bool(SIGNALS), device
+    )
+    last = signalled or step == args.max_steps or step == args.stop_at_step
+    saved = None
+    if due or last:
+        meta = {**meta, "args": vars(args)}
+        # The last save blocks even with --async_save: the process exits right after it.
+        background = args.async_save and not last
+        saved = checkpoint.save(
+            args.out_dir, step, roles, meta, hf_objs, args.keep_last, background, args.on_save_error
+        )
+    stop = signalled or step == args.stop_at_step
+    if stop:
+        reason = "--stop_at_step"
+        if signalled:
+            reason = "signal"
+        print0(f"stopping after step {step} ({reason}); go on with --resume latest")
+    return saved, stop
+
+
+# ---- errors --------------------------------------------------------------------------------------
+def collective_failure(e):
+    """One line naming the rank, the collective and our call site of a failed gloo/NCCL collective
+    (their own messages name neither the op nor the rank), or None if `e` is something else."""
+    frames = traceback.extract_tb(e.__traceback__)
+    here = os.path.dirname(os.path.abspath(__file__))
+    ours = [i for i, f in enumerate(frames) if is_our_frame(f, here)]
+    if not ours:
+        return None
+    call_site = frames[ours[-1]]
+    below = frames[ours[-1] + 1 :]
+    ops = [f for f in below if f"torch{os.sep}distributed" in f.filename and f.name != "wrapper"]
+    looks_collective = any(s in str(e) for s in ("gloo", "NCCL", "Timed out"))
+    if not ops or not (isinstance(e, dist.DistError) or looks_collective):
+        return None
+    c10d = [f.name for f in ops if f.filename.endswith("distributed_c10d.py")]
+    collective = ops[-1].name
+    if c10d:
+        collective = c10d[-1]
+    where = f"{os.path.basename(call_site.filename)}:{call_site.lineno}"
+    first_line = str(e).splitlines()[0]
+    return (
+        f"error: rank {os.environ.get('RANK', 0)}: collective {collective} (in {ops[0].name}, "
+        f"called at {where}) failed: {first_line} (peer dead or hung?)"
+    )
+
+
+def is_our_frame(frame, here):
+    return frame.filename.startswith(here) and "-packages" not in frame.filename
+
+
+def run(main, cls):
+    """main(parse_args(cls)); a bad checkpoint or a failed collective ends in one line naming
+    them."""
+    try:
+        main(parse_args(cls))
+        # FSDP modules sit in reference cycles: free them (and the gloo work objects they hold) now,
+        # not while the interpreter shuts down: that aborted a rank twice in ~150 runs here
+        # (cf. pytorch#179291).
+        gc.collect()
+    except checkpoint.CheckpointError as e:
+        raise SystemExit(f"error: {e}")
+    except (RuntimeError, dist.DistError) as e:
+        line = collective_failure(e)
+        if line is None:
+            raise
+        raise SystemExit(line)
