@@ -53,7 +53,7 @@ def field_docs(cls):
 def parse_bool(text):
     """Only 'true' or 'false' (any case): a typo is an error, not a silent False."""
     if text.lower() not in ("true", "false"):
-        raise ValueError(text)
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
     return text.lower() == "true"
 
 
