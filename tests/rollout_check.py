@@ -89,7 +89,10 @@ def main():
     fresh = vl.generate(prompts, 2, NEW, T, 1.0, seeds)
     with torch.no_grad():
         d = max_diff(actor_logprobs(actor, prompts, fresh, 2), fresh.logprobs)
-    assert d < 1e-4, f"after sync: logprob difference {d}"
+    # The perturbed weights give large logits, and vLLM's CPU kernels and torch's then differ by
+    # ~1e-4 in fp32 (1.07e-4 on an AMD EPYC machine of this kind, also before the rewrite): a
+    # tolerance of 1e-3 still sits well below a stale engine's difference (asserted > 1e-2 above).
+    assert d < 1e-3, f"after sync: logprob difference {d}"
 
     # 5. EOS: make EOS likely; responses stop right after it, `finished` says so, engines agree.
     actor.reshard()
