@@ -150,16 +150,23 @@ def masked_mean(x, mask, n=None):
 
 def masked_whiten(x, mask, shift_mean=True):
     """(x - mean) / std over the masked entries of all ranks [N policy #9]. x, mask [B, R].
-    Collective: all_reduce of (sum, sum of squares, count), so every rank whitens with the same
-    global statistics."""
-    stats = torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()]).double()
-    dist.all_reduce(stats)  # the global batch's sums, not this rank's share
-    mean = stats[0] / stats[2]
-    var = stats[1] / stats[2] - mean**2
-    white = ((x - mean) * torch.rsqrt(var + 1e-8)).to(x.dtype)
+
+    Two passes in float64: the mean first, then the mean squared deviation from it. The one-pass
+    E[x^2] - E[x]^2 cancels catastrophically when the mean is large against the spread (it was
+    off by up to 1.65 on such inputs, and NaN when it came out negative). Collective: two
+    all_reduces, so every rank whitens with the same global statistics."""
+    x64 = x.double()
+    mask64 = mask.double()
+    sum_and_count = torch.stack([(x64 * mask64).sum(), mask64.sum()])
+    dist.all_reduce(sum_and_count)  # the global batch's sum and token count
+    mean = sum_and_count[0] / sum_and_count[1]
+    squared_deviations = (((x64 - mean) * mask64) ** 2).sum()
+    dist.all_reduce(squared_deviations)  # summed over the global batch
+    var = squared_deviations / sum_and_count[1]
+    white = (x64 - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
-        white = white + mean.to(x.dtype)
-    return white * mask
+        white = white + mean
+    return white.to(x.dtype) * mask
 
 
 def compute_rewards(scores, logprobs, ref_logprobs, mask, kl_coef):
@@ -221,7 +228,9 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, n_tokens):
 def kl_loss(logprobs, ref_logprobs, mask, n_tokens):
     """GRPO's KL term (Shao et al. 2024, eq. 4), the unbiased, non-negative k3 estimator:
     pi_ref/pi - log(pi_ref/pi) - 1 per token, averaged over tokens. [B, R]."""
-    log_ratio = ref_logprobs - logprobs
+    # Masked before exp: at padding columns logprobs can be very negative, exp overflows to inf,
+    # and inf * 0 in the masked mean is NaN.
+    log_ratio = (ref_logprobs - logprobs) * mask
     return masked_mean(torch.exp(log_ratio) - log_ratio - 1, mask, n_tokens)
 
 
@@ -440,6 +449,12 @@ def check_args(args, world):
         raise SystemExit(
             f"error: --advantage_estimator {args.advantage_estimator}: expected gae, or "
             "grpo/rloo with --n_samples_per_prompt >= 2"
+        )
+    if args.temperature <= 0:
+        # Every logprob divides the logits by the temperature [N policy #1]; PPO needs samples.
+        raise SystemExit(
+            f"error: --temperature {args.temperature}: PPO trains on sampled responses and "
+            "divides the logits by it; expected > 0 (evaluation decodes greedily by itself)"
         )
 
 

@@ -134,3 +134,8 @@ def test_ppo_batch_sizes(tmp_path):
     args = ("--out_dir", tmp_path, "--rollout_batch_size", 10, "--n_samples_per_prompt", 3)
     p = run_py("train_ppo.py", *args, "--train_batch_size", 4)
     assert_one_line_error(p, "batch sizes do not divide", "--train_batch_size 4")
+
+
+def test_ppo_temperature_zero_is_refused(tmp_path):
+    p = run_py("train_ppo.py", "--out_dir", tmp_path, "--temperature", 0)
+    assert_one_line_error(p, "--temperature 0.0", "expected > 0")

@@ -55,6 +55,31 @@ def test_masked_whiten():
     assert torch.allclose(unshifted, (want + 2.5) * mask, atol=1e-6)
 
 
+def test_masked_whiten_with_a_large_offset():
+    """float32 values around 1e4 with a spread of about 1: the one-pass E[x^2] - E[x]^2 in float32
+    lost the variance entirely; two passes in float64 keep it."""
+    torch.manual_seed(0)
+    x = 10_000.0 + torch.randn(4, 64)
+    mask = torch.ones(4, 64)
+    mask[:, 48:] = 0
+    kept = x[:, :48].double()
+    want = (kept - kept.mean()) / torch.sqrt(kept.var(unbiased=False) + 1e-8)
+    got = ppo.masked_whiten(x, mask)
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got[:, :48].double(), want, atol=1e-3)
+    assert (got[:, 48:] == 0).all()
+
+
+def test_k3_kl_loss_is_finite_with_very_unlikely_padding():
+    """At padding columns the current logprobs can be anything (here -200): exp(200) overflows,
+    and the masked mean must not turn inf * 0 into NaN."""
+    logp = t([[math.log(0.5), -200.0]])
+    ref = t([[math.log(0.25), 0.0]])
+    loss = ppo.kl_loss(logp, ref, t([[1, 0]]), n_tokens=1)
+    assert torch.isfinite(loss)
+    assert loss.item() == pytest.approx(0.5 - math.log(0.5) - 1)
+
+
 def test_clipped_policy_loss_by_hand():
     ratio = t([[1.5, 0.5, 0.5, 1.5]])
     old = t([[-1.0, -1.0, -1.0, -1.0]])
