@@ -32,6 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
 from transformers import AutoTokenizer
+from transformers import GenerationConfig
 
 import checkpoint
 import task
@@ -150,6 +151,13 @@ def global_sums(local, device):
     return dict(zip(names, stacked.tolist()))
 
 
+def global_max(value, device):
+    """Collective: the largest of every rank's `value` (a number or 0-d tensor), as a float."""
+    tensor = torch.as_tensor(value, dtype=torch.float32).to(device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)  # the worst rank is the one to report
+    return tensor.item()
+
+
 # ---- the metrics log -----------------------------------------------------------------------------
 class MetricsLog:
     """<out_dir>/metrics.jsonl, one {"step": ..., "<group>/<name>": ...} per line (rank 0 writes);
@@ -254,7 +262,12 @@ def shard_model(model, device):
 
 
 def load_model_and_tokenizer(path, cls, **kwargs):
-    """(model, tokenizer) from an HF folder or hub id, fp32 master weights; one line if it fails."""
+    """(model, tokenizer) from an HF folder or hub id, fp32 master weights; one line if it fails.
+
+    A tokenizer without a PAD token (Llama 3 base, GPT-2) gets EOS as its PAD. That is safe here:
+    every mask in plainrlhf is built from sequence lengths, never from `input_ids == pad_id`, so a
+    filler EOS is never mistaken for a real one (the "N implementation details" warning is about
+    collators that mask by id). The same holds for PAD == EOS (Qwen2.5 base)."""
     if path == task.TINY_MODEL:
         task.ensure_tiny_model(path)  # every rank: atomic and deterministic, so no barrier needed
     try:
@@ -262,9 +275,40 @@ def load_model_and_tokenizer(path, cls, **kwargs):
         model = cls.from_pretrained(path, dtype=torch.float32, **kwargs)
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: --model {path}: cannot load ({str(e).splitlines()[0]})")
-    if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
-        raise SystemExit(f"error: --model {path}: tokenizer needs a PAD token distinct from EOS")
+    if tok.eos_token_id is None:
+        raise SystemExit(f"error: --model {path}: the tokenizer has no EOS token")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tok) > rows:
+        raise SystemExit(
+            f"error: --model {path}: the tokenizer has {len(tok)} tokens, the embedding matrix "
+            f"{rows} rows; call model.resize_token_embeddings(len(tokenizer)) and save the model"
+        )
     return model, tok
+
+
+def stop_token_ids(tok, generation_config):
+    """The ids generation stops at: the tokenizer's EOS first, then every other id in the model's
+    `generation_config.eos_token_id` (Qwen-Instruct lists two). Both engines and the evaluations
+    stop at this one set, and a response is `finished` when it ends with one of them."""
+    ids = [tok.eos_token_id]
+    extra = generation_config.eos_token_id
+    if isinstance(extra, int):
+        extra = [extra]
+    for token_id in sorted(extra or []):
+        if token_id not in ids:
+            ids.append(token_id)
+    return ids
+
+
+def neutral_generation_config(stop_ids, pad_id):
+    """A GenerationConfig with no sampling defaults of its own. `generate` fills every setting the
+    call leaves unset from `model.generation_config`, which can carry a repetition penalty, top-k
+    and top-p (Qwen-Instruct ships 1.05, 20, 0.8): sampling would then leave the distribution the
+    trainer computes logprobs for. Set this as the model's generation_config while training; the
+    model folder's own is kept for the export."""
+    return GenerationConfig(eos_token_id=list(stop_ids), pad_token_id=pad_id)
 
 
 # ---- the end of every step -----------------------------------------------------------------------

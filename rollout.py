@@ -53,12 +53,13 @@ def build_engine(
     model_path,
     max_model_len,
     seed,
-    eos_token_id,
+    stop_ids,
     gpu_memory_utilization=0.3,
     enforce_eager=False,
 ):
-    """kind: 'vllm', 'hf', or 'auto' (vllm when it imports). Build it before restoring a
-    checkpoint's RNG: vLLM seeds the global generators while it starts."""
+    """kind: 'vllm', 'hf', or 'auto' (vllm when it imports). stop_ids: the token ids a response
+    ends at (`common.stop_token_ids`). Build it before restoring a checkpoint's RNG: vLLM seeds the
+    global generators while it starts."""
     if kind == "auto":
         kind = "vllm"
         try:
@@ -67,18 +68,18 @@ def build_engine(
             kind = "hf"
     if kind == "vllm":
         return VLLMEngine(
-            model_path, max_model_len, seed, eos_token_id, gpu_memory_utilization, enforce_eager
+            model_path, max_model_len, seed, stop_ids, gpu_memory_utilization, enforce_eager
         )
-    return HFEngine(model_path, max_model_len, seed, eos_token_id)
+    return HFEngine(model_path, max_model_len, seed, stop_ids)
 
 
 class VLLMEngine:
     def __init__(
-        self, model_path, max_model_len, seed, eos_token_id, gpu_memory_utilization, enforce_eager
+        self, model_path, max_model_len, seed, stop_ids, gpu_memory_utilization, enforce_eager
     ):
         from vllm import LLM
 
-        self.eos = eos_token_id
+        self.stop_ids = list(stop_ids)
         self.gpu = torch.cuda.is_available()
         # plain `python` has no torchrun variables; vLLM's external launcher reads them
         os.environ.setdefault("RANK", str(dist.get_rank()))
@@ -95,6 +96,9 @@ class VLLMEngine:
             skip_tokenizer_init=True,  # we pass token ids; the trainer owns the tokenizer
             # temperature applied to the logprobs, as PPO needs (not the raw logits)
             logprobs_mode="processed_logprobs",
+            # The model folder's generation_config is not read: its sampling defaults (and a
+            # max_new_tokens there) never apply; every setting comes from `generate`'s arguments.
+            generation_config="vllm",
         )
         if self.gpu:
             kwargs["dtype"] = "bfloat16"
@@ -126,7 +130,7 @@ class VLLMEngine:
                     max_tokens=max_new_tokens,
                     seed=seed,
                     logprobs=0,  # the sampled token's own logprob only
-                    stop_token_ids=[self.eos],
+                    stop_token_ids=self.stop_ids,
                 )
             )
         prompts = [{"prompt_token_ids": p} for p in prompt_token_ids]
@@ -137,7 +141,7 @@ class VLLMEngine:
                 ids = list(sample.token_ids)
                 gen.response_ids.append(ids)
                 gen.logprobs.append([lp[t].logprob for t, lp in zip(ids, sample.logprobs)])
-                gen.finished.append(bool(ids) and ids[-1] == self.eos)
+                gen.finished.append(bool(ids) and ids[-1] in self.stop_ids)
         return gen
 
     def sleep(self):
@@ -178,17 +182,25 @@ class HFEngine:
     """transformers `generate` on an unsharded copy of the actor (no collectives while
     generating)."""
 
-    def __init__(self, model_path, max_model_len, seed, eos_token_id):
+    def __init__(self, model_path, max_model_len, seed, stop_ids):
         from transformers import AutoModelForCausalLM
+        from transformers import GenerationConfig
 
-        self.eos = eos_token_id
+        self.stop_ids = list(stop_ids)
         self.max_model_len = max_model_len
         device = torch.device("cpu")
         if torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         self.model = model.to(device).eval()
-        self.params = dict(self.model.named_parameters())
+        # No sampling defaults from the model folder (repetition penalty, top-k, ...): generate()
+        # would fill every setting its call leaves unset from here. Cf. common.py.
+        self.model.generation_config = GenerationConfig(
+            eos_token_id=self.stop_ids, pad_token_id=self.stop_ids[0]
+        )
+        # remove_duplicate=False: a tied head (Qwen2, GPT-2) is listed as lm_head.weight too, the
+        # name the trainer's state_dict sends it under.
+        self.params = dict(self.model.named_parameters(remove_duplicate=False))
 
     @torch.no_grad()
     def generate(self, prompt_token_ids, n, max_new_tokens, temperature, top_p, seeds):
@@ -196,17 +208,18 @@ class HFEngine:
         for prompt, seed in zip(prompt_token_ids, seeds):
             new, logprobs = self.sample(prompt, n, max_new_tokens, temperature, top_p, seed)
             for row, lp in zip(new.tolist(), logprobs.tolist()):
+                stops = [i for i, token in enumerate(row) if token in self.stop_ids]
                 end = len(row)
-                if self.eos in row:
-                    end = row.index(self.eos) + 1
+                if stops:
+                    end = stops[0] + 1  # the first stop token ends the response
                 gen.response_ids.append(row[:end])
                 gen.logprobs.append(lp[:end])
-                gen.finished.append(self.eos in row)
+                gen.finished.append(bool(stops))
         return gen
 
     def sample(self, prompt, n, max_new_tokens, temperature, top_p, seed):
         """n samples of one prompt: (new token ids [n, T], their logprobs [n, T]). Past EOS, the
-        rows hold EOS (the pad id given to generate) until the longest sample ends."""
+        rows hold the first stop id (the pad id given to generate) until the longest sample ends."""
         device = self.model.device
         ids = torch.tensor([prompt] * n, device=device)
         cuda_devices = []
@@ -223,8 +236,8 @@ class HFEngine:
                 top_p=top_p,
                 top_k=0,
                 max_new_tokens=max_new_tokens,
-                eos_token_id=self.eos,
-                pad_token_id=self.eos,
+                eos_token_id=self.stop_ids,
+                pad_token_id=self.stop_ids[0],
                 output_scores=True,
                 return_dict_in_generate=True,
             )

@@ -115,6 +115,9 @@ class Args:
     """GPU only: share of GPU memory vLLM may take (the trainer needs the rest)"""
     enforce_eager: bool = False
     """GPU only: no CUDA graphs in vLLM (slower decoding, faster start, less memory)"""
+    logprob_diff_warn: float = 0.05
+    """warn when the sampled tokens' logprobs under the engine and under the actor differ by more
+    than this on average (rollout/logprob_diff_mean): the policy trained is not the one sampled"""
     eval_every: int = 25
     """greedy-decode the held-out prompts (and log sample rows) every this many iterations, and at
     the ends"""
@@ -361,6 +364,18 @@ class Models:
     reward_model: torch.nn.Module | None  # --reward_model only; else --reward_fn scores
 
 
+def value_head(model):
+    """The one-output head of a token or sequence classifier: `score` on Llama, Qwen, Gemma and
+    Phi, `classifier` on GPT-2's token classifier."""
+    for name in ("score", "classifier"):
+        head = getattr(model, name, None)
+        if isinstance(head, torch.nn.Linear):
+            return head
+    raise SystemExit(
+        f"error: {type(model).__name__} has no `score` or `classifier` head to use as a value head"
+    )
+
+
 def build_models(args, device):
     """(Models, tokenizer, roles = {name: (model, optimizer)} for the trained ones)."""
     actor, tok = common.load_model_and_tokenizer(args.model, AutoModelForCausalLM)
@@ -372,8 +387,10 @@ def build_models(args, device):
         critic, _ = common.load_model_and_tokenizer(
             args.model, AutoModelForTokenClassification, num_labels=1
         )
-        torch.nn.init.zeros_(critic.score.weight)
-        torch.nn.init.zeros_(critic.score.bias)
+        head = value_head(critic)
+        torch.nn.init.zeros_(head.weight)
+        if head.bias is not None:
+            torch.nn.init.zeros_(head.bias)
         models.critic = critic
     if args.reward_model:
         reward_model, _ = common.load_model_and_tokenizer(
@@ -555,6 +572,21 @@ def old_logprobs_and_values(args, models, tok, prompt_ids, responses, order, dev
     return Experience(batch, old_logprobs * mask, ref_logprobs * mask, old_values)
 
 
+def logprob_gap(exp, engine_logprobs, order):
+    """|log pi_engine(y_t) - log pi_old(y_t)| for every sampled token, [B, R], zero on padding:
+    the engine's logprobs (sampling distribution, temperature applied) against the actor's own.
+    It proves, every step, that PPO trains the policy the responses were sampled from: about 1e-6
+    on CPU (fp32 both), about 1e-2 with a bf16 engine on GPU. A stale weight sync, a sampling
+    setting the trainer does not apply or a mismatched attention kernel shows up here first."""
+    mask = exp.batch.response_mask
+    R = mask.shape[1]
+    rows = []
+    for i in order.tolist():
+        rows.append(engine_logprobs[i] + [0.0] * (R - len(engine_logprobs[i])))
+    engine = torch.tensor(rows, device=mask.device)  # [B, R], the rows in the order of exp
+    return (engine - exp.old_logprobs).abs() * mask
+
+
 def compute_advantages(args, exp, scores, order, kl_coef):
     """(4) Advantages [B, R] (and, with a critic, the value targets `returns`), filled into `exp`.
     Returns kl [B, R], the per-token k1 KL estimate that is logged.
@@ -686,10 +718,12 @@ def evaluate(args, engine, tok, reward_model, items, device):
     return (total[0] / total[1]).item()
 
 
-def rollout_sums(raw_scores, gen, kl, exp):
-    """This rank's sums behind the objective/* metrics (global_sums adds the ranks)."""
+def rollout_sums(raw_scores, gen, kl, exp, gap):
+    """This rank's sums behind the objective/* and rollout/* metrics (global_sums adds the
+    ranks)."""
     mask = exp.batch.response_mask
     return {
+        "logprob_gap": gap.sum().item(),
         "score": raw_scores.sum().item(),
         "finished": float(sum(gen.finished)),
         "responses": len(raw_scores),
@@ -712,6 +746,7 @@ def iteration_metrics(update_stats, rollout_stats, device):
         "objective/entropy": totals["nll"] / totals["tokens"],  # of the sampled tokens, per token
         "objective/no_eos_frac": 1 - totals["finished"] / n,
         "objective/response_len": totals["tokens"] / n,
+        "rollout/logprob_diff_mean": totals["logprob_gap"] / totals["tokens"],
     }
     for name in update_stats:
         metrics[name] = totals[name]
@@ -767,7 +802,7 @@ def main(args):
         args.model,
         longest,
         args.seed,
-        tok.eos_token_id,
+        common.stop_token_ids(tok, models.actor.generation_config),
         args.gpu_memory_utilization,
         args.enforce_eager,
     )
@@ -811,6 +846,7 @@ def main(args):
         exp = old_logprobs_and_values(
             args, models, tok, prompt_ids, gen.response_ids, order, device
         )
+        gap = logprob_gap(exp, gen.logprobs, order)  # [B, R]: engine vs actor, every token
         # (4) Advantages: GAE over per-token rewards, or group baselines.
         scores = scores[order].to(device)
         kl = compute_advantages(args, exp, scores, order.to(device), kl_coef)
@@ -824,7 +860,15 @@ def main(args):
         rollout.sync_weights(engine, models.actor)
         t4 = time.time()
 
-        metrics = iteration_metrics(update_stats, rollout_sums(raw_scores, gen, kl, exp), device)
+        sums = rollout_sums(raw_scores, gen, kl, exp, gap)
+        metrics = iteration_metrics(update_stats, sums, device)
+        metrics["rollout/logprob_diff_max"] = common.global_max(gap.max(), device)
+        if metrics["rollout/logprob_diff_mean"] > args.logprob_diff_warn:
+            common.print0(
+                f"WARNING: step {step}: the engine's logprobs differ from the actor's by "
+                f"{metrics['rollout/logprob_diff_mean']:.3g} on average (--logprob_diff_warn "
+                f"{args.logprob_diff_warn}): the policy trained is not the one that sampled"
+            )
         metrics["objective/kl_coef"] = kl_coef
         metrics["policy/first_ratio_dev"] = first_ratio_dev
         metrics["time/rollout_s"] = t1 - t0

@@ -180,7 +180,7 @@ def batch_tokens(examples):
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tok, examples, device, batch_size=64):
+def greedy_accuracy(model, tok, examples, stop_ids, device, batch_size=64):
     """Exact-match accuracy of greedy decoding on {"prompt", "response"} examples, by the
     FSDP2-sharded model itself (no unsharded copy). Collective: every rank decodes its share."""
     rank = dist.get_rank()
@@ -202,7 +202,7 @@ def greedy_accuracy(model, tok, examples, device, batch_size=64):
             do_sample=False,
             synced_gpus=world > 1,
             pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
+            eos_token_id=stop_ids,  # every id the model may end a response with
         )
         texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         correct += sum(t.strip() == e["response"].strip() for t, e in zip(texts, chunk))
@@ -229,6 +229,11 @@ def main(args):
     model, tok = common.load_model_and_tokenizer(args.model, AutoModelForCausalLM)
     # from_pretrained returns eval mode: dropout would be silently off until the first eval
     model.train()
+    # The model folder's generation_config goes to the exports unchanged; while training, greedy
+    # evaluation runs with no decoding defaults of the model's own (a repetition penalty, say).
+    export_generation_config = model.generation_config
+    stop_ids = common.stop_token_ids(tok, export_generation_config)
+    model.generation_config = common.neutral_generation_config(stop_ids, tok.pad_token_id)
     train, held_out = load_data(args, tok, model.config.max_position_embeddings)
     common.shard_model(model, device)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -259,7 +264,7 @@ def main(args):
         metrics["time/step_s"] = time.time() - t0
         is_eval_step = args.eval_every and step % args.eval_every == 0
         if held_out and (step == args.max_steps or is_eval_step):
-            metrics["eval/accuracy"] = greedy_accuracy(model, tok, held_out, device)
+            metrics["eval/accuracy"] = greedy_accuracy(model, tok, held_out, stop_ids, device)
             common.print0(f"step {step}: held-out accuracy {metrics['eval/accuracy']:.3f}")
         metrics_log.log(metrics, step)
         pbar.update(1)
@@ -270,7 +275,7 @@ def main(args):
             "epoch": epoch,
             "consumed_samples": step * args.train_batch_size,
         }
-        hf_objs = (model.config, tok, model.generation_config)
+        hf_objs = (model.config, tok, export_generation_config)
         saved, stop = common.end_of_step(args, step, device, roles, meta, hf_objs)
         if step == args.max_steps:
             final = saved

@@ -56,7 +56,7 @@ def measure(hidden, layers, mlp):
     examples = task.make_split("test")[:64]
     prompts = [tok(e["prompt"]).input_ids for e in examples]
     # EOS: 127, an unused id
-    engines = {k: rollout.build_engine(k, d, 128, 0, 127) for k in ("vllm", "hf")}
+    engines = {k: rollout.build_engine(k, d, 128, 0, [127]) for k in ("vllm", "hf")}
 
     def tps(eng):
         eng.generate(prompts, 1, 32, 1.0, 1.0, list(range(64)))  # warm-up

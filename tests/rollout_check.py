@@ -39,8 +39,8 @@ def main():
     rank, world, device = common.init_distributed(0)
     task.ensure_tiny_model()
     tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
-    vl = rollout.build_engine("vllm", task.TINY_MODEL, 64, 0, tok.eos_token_id)
-    hf = rollout.build_engine("hf", task.TINY_MODEL, 64, 0, tok.eos_token_id)
+    vl = rollout.build_engine("vllm", task.TINY_MODEL, 64, 0, [tok.eos_token_id])
+    hf = rollout.build_engine("hf", task.TINY_MODEL, 64, 0, [tok.eos_token_id])
     actor = common.shard_model(AutoModelForCausalLM.from_pretrained(task.TINY_MODEL).eval(), device)
     examples = task.make_split("test")[rank * 6 : rank * 6 + 6]
     prompts = [tok(e["prompt"]).input_ids for e in examples]

