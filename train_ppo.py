@@ -362,6 +362,7 @@ class Models:
     ref: torch.nn.Module  # frozen: the KL anchor
     critic: torch.nn.Module | None  # gae only
     reward_model: torch.nn.Module | None  # --reward_model only; else --reward_fn scores
+    reward_tokenizer: object = None  # the reward model's own tokenizer
 
 
 def value_head(model):
@@ -393,10 +394,14 @@ def build_models(args, device):
             torch.nn.init.zeros_(head.bias)
         models.critic = critic
     if args.reward_model:
-        reward_model, _ = common.load_model_and_tokenizer(
+        reward_model, reward_tok = common.load_model_and_tokenizer(
             args.reward_model, AutoModelForSequenceClassification, num_labels=1
         )
+        # transformers' own pooling refuses batches when the config has no pad id; the score is
+        # read by `reward_model_scores` from the lengths, whatever this id is.
+        reward_model.config.pad_token_id = reward_tok.pad_token_id
         models.reward_model = reward_model.requires_grad_(False)
+        models.reward_tokenizer = reward_tok
     # Every model stays in eval mode: dropout off, so the first ratio is exactly 1 and the KL is
     # reproducible [N policy #4]; gradients flow all the same.
     for model in (actor, ref, models.critic, models.reward_model):
@@ -518,23 +523,57 @@ def rule_scores(spec, prompts, responses):
 
 
 @torch.no_grad()
-def score(args, tok, reward_model, prompt_ids, prompt_texts, responses, device):
-    """(2) Raw scores [B]: the rule reward on the decoded text, or the reward model's output.
-    Collective with a reward model (a sharded forward). transformers' sequence classifier reads
-    the score at the last non-pad token: EOS, or the last token of a cut response [N RM #1]."""
-    if reward_model is None:
-        texts = tok.batch_decode(responses, skip_special_tokens=True)
+def score(args, tok, models, prompt_texts, responses, finished, device):
+    """(2) Raw scores [B]: the rule reward on the decoded text, or the reward model's score of its
+    own tokenisation of it. Collective with a reward model (a sharded forward)."""
+    texts = tok.batch_decode(responses, skip_special_tokens=True)
+    if models.reward_model is None:
         return rule_scores(args.reward_fn, prompt_texts, texts)
-    batch = make_batch(prompt_ids, responses, tok.pad_token_id, device)
+    reward_tok = models.reward_tokenizer
+    sequences = reward_model_inputs(reward_tok, prompt_texts, texts, finished)
+    return reward_model_scores(
+        models.reward_model, sequences, reward_tok.pad_token_id, args.micro_batch_size, device
+    )
+
+
+def reward_model_inputs(reward_tok, prompt_texts, response_texts, finished):
+    """The reward model's own token ids for each (prompt, response), [B][len]: the prompt (through
+    its chat template when it has one), the response, and its EOS when the response ended there.
+    The reward model never sees the policy's ids: its vocabulary and pad id may differ."""
+    sequences = []
+    for prompt, response, ended in zip(prompt_texts, response_texts, finished):
+        ids = common.encode_prompt(reward_tok, prompt)
+        ids = ids + reward_tok(response, add_special_tokens=False).input_ids
+        if ended:
+            ids = ids + [reward_tok.eos_token_id]
+        sequences.append(ids)
+    return sequences
+
+
+def reward_model_scores(reward_model, sequences, pad_id, micro_batch_size, device):
+    """The reward head's output at each sequence's last real token [B] [N RM #1], found from the
+    lengths: not from pad ids, which may equal EOS or be missing. Collective (a sharded forward).
+    Right padding; the head's per-token outputs are captured with a forward hook, as
+    transformers' own pooling looks for the last token that is not `pad_token_id`."""
+    head_outputs = []
+
+    def keep(module, inputs, output):
+        head_outputs.append(output)  # [b, T, 1]
+
+    hook = value_head(reward_model).register_forward_hook(keep)
     scores = []
-    for rows in torch.arange(len(responses)).split(args.micro_batch_size):
-        micro = batch.select(rows)
-        outputs = reward_model(
-            input_ids=micro.input_ids,
-            attention_mask=micro.attention_mask,
-            position_ids=micro.position_ids,
-        )
-        scores.append(outputs.logits[:, 0].float().cpu())
+    try:
+        for start in range(0, len(sequences), micro_batch_size):
+            chunk = sequences[start : start + micro_batch_size]
+            T = max(len(ids) for ids in chunk)
+            input_ids = torch.tensor([ids + [pad_id] * (T - len(ids)) for ids in chunk])
+            attention_mask = torch.tensor([[1] * len(ids) + [0] * (T - len(ids)) for ids in chunk])
+            reward_model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
+            per_token = head_outputs.pop()[..., 0]  # [b, T]
+            last = torch.tensor([len(ids) - 1 for ids in chunk], device=per_token.device)
+            scores.append(per_token[torch.arange(len(chunk)), last].float().cpu())
+    finally:
+        hook.remove()
     return torch.cat(scores)
 
 
@@ -702,7 +741,7 @@ def optimizer_step(roles, max_grad_norm):
 
 # ---- evaluation and logging --------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(args, engine, tok, reward_model, items, device):
+def evaluate(args, engine, tok, models, items, device):
     """Mean score of greedy responses to held-out prompts (= accuracy for a 0/1 reward).
     Collective: every rank decodes and scores an equal share (scoring may be collective)."""
     rank = dist.get_rank()
@@ -712,7 +751,7 @@ def evaluate(args, engine, tok, reward_model, items, device):
     prompt_ids = [ids for ids, _ in mine]
     gen = engine.generate(prompt_ids, 1, args.max_new_tokens, 0.0, 1.0, [0] * len(mine))
     texts = [text for _, text in mine]
-    scores = score(args, tok, reward_model, prompt_ids, texts, gen.response_ids, device)
+    scores = score(args, tok, models, texts, gen.response_ids, gen.finished, device)
     total = torch.stack([scores.sum(), torch.tensor(float(len(mine)))]).to(device)
     dist.all_reduce(total)  # every rank's sum of scores and count
     return (total[0] / total[1]).item()
@@ -819,7 +858,7 @@ def main(args):
         rollout.sync_weights(engine, models.actor)  # the engine started from --model: resume it
         common.print0(f"resumed from {final} at step {start}")
     elif held_out:
-        accuracy = evaluate(args, engine, tok, models.reward_model, held_out, device)
+        accuracy = evaluate(args, engine, tok, models, held_out, device)
         common.print0(f"step 0: held-out accuracy {accuracy:.3f}")
         metrics_log.log({"eval/accuracy": accuracy}, 0)
 
@@ -836,9 +875,7 @@ def main(args):
         prompt_texts = [text for _, text in prompts for _ in range(n)]
         t1 = time.time()
         # (2) Score; a response cut without EOS is penalised [N policy #5].
-        raw_scores = score(
-            args, tok, models.reward_model, prompt_ids, prompt_texts, gen.response_ids, device
-        )
+        raw_scores = score(args, tok, models, prompt_texts, gen.response_ids, gen.finished, device)
         scores = eos_penalized(raw_scores, gen.finished, args.missing_eos_penalty)
         # (3) Old and reference logprobs, values: in a random order, which the first PPO epoch
         # keeps (its first micro-batch then sees ratio == 1 exactly).
@@ -884,7 +921,7 @@ def main(args):
         metrics["rollout/responses_sha"] = hash_responses(gen.response_ids)
         is_eval_step = args.eval_every and step % args.eval_every == 0
         if held_out and (step == args.max_steps or is_eval_step):
-            accuracy = evaluate(args, engine, tok, models.reward_model, held_out, device)
+            accuracy = evaluate(args, engine, tok, models, held_out, device)
             metrics["eval/accuracy"] = accuracy
             common.print0(f"step {step}: held-out accuracy {accuracy:.3f}")
         metrics_log.log(metrics, step)

@@ -184,3 +184,28 @@ def test_qwen2_chatml_two_eos_ids_and_sampling_defaults(tmp_path, qwen2_sft, eng
     """Stops at either EOS id and samples without the model's repetition penalty / top-k / top-p
     (the HF engine applied them before: 0.12-0.36 logprob away from the actor)."""
     ppo(str(tmp_path / "ppo"), qwen2_sft, engine)
+
+
+def test_reward_model_of_another_family(tmp_path):
+    """The tiny Llama policy scored by a GPT-2 reward model: another vocabulary, no PAD. It gets
+    its own tokenisation of the decoded text (the policy's ids would index the wrong rows)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    reward_dir = str(tmp_path / "rm")
+    build_gpt2(reward_dir)
+    torch.manual_seed(0)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(reward_dir, num_labels=1)
+    reward_model.save_pretrained(reward_dir)
+    task.ensure_tiny_model()
+    out = str(tmp_path / "ppo")
+    args = ("--model", task.TINY_MODEL, "--out_dir", out, "--rollout_engine", "hf")
+    args += ("--reward_model", reward_dir, "--advantage_estimator", "grpo")
+    args += ("--rollout_batch_size", 8, "--n_samples_per_prompt", 2, "--train_batch_size", 16)
+    args += ("--micro_batch_size", 4, "--max_steps", 2, "--eval_samples", 8, "--eval_every", 0)
+    run("train_ppo.py", *args)
+    rows = metrics(out)
+    assert len(rows) == 3
+    scores = [row["objective/score"] for row in rows if "objective/score" in row]
+    assert len(scores) == 2 and all(abs(s) < 100 for s in scores), scores
+    assert scores[0] != 0.0, scores  # a random head: a score, and not a constant

@@ -159,3 +159,37 @@ def test_k3_kl_loss():
     # k3 = r - log r - 1 with r = pi_ref/pi: 0.5 - log 0.5 - 1 on token 0, 0 on token 1
     want = (0.5 - math.log(0.5) - 1) / 2
     assert ppo.kl_loss(logp, ref, t([[1, 1]]), n_tokens=2).item() == pytest.approx(want)
+
+
+def test_reward_model_reads_its_own_tokens_at_the_last_real_token(tmp_path):
+    """A reward model of another family (GPT-2: other ids, no PAD, so PAD == EOS) scores its own
+    tokenisation of the text, at the last real token: EOS when the response ended, whatever the
+    padding, and the same in a batch as alone."""
+    from test_families import build_gpt2
+    from transformers import AutoModelForSequenceClassification
+
+    import common
+
+    build_gpt2(str(tmp_path))
+    model, tok = common.load_model_and_tokenizer(
+        str(tmp_path), AutoModelForSequenceClassification, num_labels=1
+    )
+    assert tok.pad_token_id == tok.eos_token_id  # no PAD: EOS stands in
+    model.config.pad_token_id = tok.pad_token_id
+    sequences = ppo.reward_model_inputs(
+        tok, ["1+2=", "10+20="], ["3", "30 and more"], [True, False]
+    )
+    assert sequences[0] == tok("1+2=3").input_ids + [tok.eos_token_id]
+    assert sequences[1] == tok("10+20=30 and more").input_ids  # cut: no EOS
+    with torch.no_grad():
+        want = []
+        for ids in sequences:  # unpadded, one at a time, by hand: the head at the last position
+            hidden = model.transformer(input_ids=torch.tensor([ids])).last_hidden_state
+            want.append(model.score(hidden)[0, -1, 0].item())
+        common.shard_model(model.eval(), torch.device("cpu"))
+        batched = ppo.reward_model_scores(model, sequences, tok.pad_token_id, 8, "cpu")
+        alone = [
+            ppo.reward_model_scores(model, [ids], tok.pad_token_id, 8, "cpu") for ids in sequences
+        ]
+    assert torch.allclose(batched, torch.tensor(want), atol=1e-5)
+    assert torch.allclose(batched, torch.cat(alone), atol=1e-5)
