@@ -139,3 +139,22 @@ def test_ppo_batch_sizes(tmp_path):
 def test_ppo_temperature_zero_is_refused(tmp_path):
     p = run_py("train_ppo.py", "--out_dir", tmp_path, "--temperature", 0)
     assert_one_line_error(p, "--temperature 0.0", "expected > 0")
+
+
+def test_tokenizer_larger_than_the_embeddings(tmp_path):
+    """Tokens added to a tokenizer without resizing the embeddings crashed the first forward with
+    an IndexError; now one line says what to do."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    import task
+
+    task.ensure_tiny_model()
+    model_dir = tmp_path / "model"
+    shutil.copytree(task.TINY_MODEL, model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.add_tokens([f"<extra_{i}>" for i in range(40)])  # 99 + 40 > the 128 embedding rows
+    tok.save_pretrained(model_dir)
+    p = run_py("train_sft.py", "--model", model_dir, "--out_dir", tmp_path / "out")
+    assert_one_line_error(p, "139 tokens", "128 rows", "resize_token_embeddings")
