@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
+from transformers import AutoConfig
 from transformers import AutoTokenizer
 from transformers import GenerationConfig
 
@@ -261,7 +262,22 @@ def shard_model(model, device):
     return model
 
 
-def load_model_and_tokenizer(path, cls, **kwargs):
+def attention_implementation(path, choice):
+    """transformers' attn_implementation for the model at `path`: `choice`, or for 'auto' eager
+    where the family needs it, else transformers' default (SDPA). Gemma 2 soft-caps its attention
+    logits; SDPA drops the soft-capping while vLLM applies it (7e-3 to 2.3e-2 logprob apart)."""
+    if choice != "auto":
+        return choice
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: --model {path}: cannot load ({str(e).splitlines()[0]})")
+    if getattr(config, "attn_logit_softcapping", None):
+        return "eager"
+    return None
+
+
+def load_model_and_tokenizer(path, cls, attn_implementation="auto", **kwargs):
     """(model, tokenizer) from an HF folder or hub id, fp32 master weights; one line if it fails.
 
     A tokenizer without a PAD token (Llama 3 base, GPT-2) gets EOS as its PAD. That is safe here:
@@ -272,6 +288,9 @@ def load_model_and_tokenizer(path, cls, **kwargs):
         task.ensure_tiny_model(path)  # every rank: atomic and deterministic, so no barrier needed
     try:
         tok = AutoTokenizer.from_pretrained(path)
+        attention = attention_implementation(path, attn_implementation)
+        if attention is not None:
+            kwargs["attn_implementation"] = attention
         model = cls.from_pretrained(path, dtype=torch.float32, **kwargs)
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: --model {path}: cannot load ({str(e).splitlines()[0]})")

@@ -56,10 +56,12 @@ def build_engine(
     stop_ids,
     gpu_memory_utilization=0.3,
     enforce_eager=False,
+    attn_implementation=None,
 ):
     """kind: 'vllm', 'hf', or 'auto' (vllm when it imports). stop_ids: the token ids a response
-    ends at (`common.stop_token_ids`). Build it before restoring a checkpoint's RNG: vLLM seeds the
-    global generators while it starts."""
+    ends at (`common.stop_token_ids`). attn_implementation: the HF engine's, as the trainer's
+    (`common.attention_implementation`). Build it before restoring a checkpoint's RNG: vLLM seeds
+    the global generators while it starts."""
     if kind == "auto":
         kind = "vllm"
         try:
@@ -70,7 +72,7 @@ def build_engine(
         return VLLMEngine(
             model_path, max_model_len, seed, stop_ids, gpu_memory_utilization, enforce_eager
         )
-    return HFEngine(model_path, max_model_len, seed, stop_ids)
+    return HFEngine(model_path, max_model_len, seed, stop_ids, attn_implementation)
 
 
 class VLLMEngine:
@@ -116,6 +118,9 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = 256 << 20
         self.llm = LLM(**kwargs)
         self.asleep = False
+        # vLLM's Gemma 2 (also Command-R, Cohere2, Gemma3n) has no lm_head module: it always
+        # reuses the embeddings and refuses a tensor named lm_head.weight. Ask its model.
+        self.has_lm_head = all(self.llm.collective_rpc(_model_has_lm_head))
 
     def generate(self, prompt_token_ids, n, max_new_tokens, temperature, top_p, seeds):
         from vllm import SamplingParams
@@ -154,6 +159,8 @@ class VLLMEngine:
         if self.asleep:
             # wake the weights first: loading into a sleeping engine writes to freed memory
             self.llm.wake_up(tags=["weights"])
+        if not self.has_lm_head:
+            named_tensors = _without_lm_head(named_tensors)
         _vllm_reload_weights(self.llm, named_tensors)
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
@@ -167,8 +174,22 @@ class VLLMEngine:
         self.llm.llm_engine.engine_core.shutdown()
 
 
+def _model_has_lm_head(worker):
+    """Run on vLLM's worker (in this process): does its model have an lm_head module? With
+    `_vllm_reload_weights`, the only reach into vLLM internals (worker.model_runner.model),
+    written against vllm 0.32.0."""
+    return hasattr(worker.model_runner.model, "lm_head")
+
+
+def _without_lm_head(named_tensors):
+    """Every tensor but lm_head.*; the rest still all-gathered, so ranks stay in step."""
+    for name, tensor in named_tensors:
+        if not name.startswith("lm_head."):
+            yield name, tensor
+
+
 def _vllm_reload_weights(llm, named_tensors):
-    """The one call into vLLM internals, written against vllm 0.32.0: the worker's `reload_weights`
+    """The call into vLLM internals, written against vllm 0.32.0: the worker's `reload_weights`
     (vllm/model_executor/model_loader/reload/inplace.py) loads checkpoint-format (HF-named) tensors
     in place. In-process engine core only: the iterator (which runs collectives) is consumed
     right here."""
@@ -182,7 +203,7 @@ class HFEngine:
     """transformers `generate` on an unsharded copy of the actor (no collectives while
     generating)."""
 
-    def __init__(self, model_path, max_model_len, seed, stop_ids):
+    def __init__(self, model_path, max_model_len, seed, stop_ids, attn_implementation=None):
         from transformers import AutoModelForCausalLM
         from transformers import GenerationConfig
 
@@ -191,7 +212,10 @@ class HFEngine:
         device = torch.device("cpu")
         if torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        kwargs = {}
+        if attn_implementation is not None:
+            kwargs["attn_implementation"] = attn_implementation
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **kwargs)
         self.model = model.to(device).eval()
         # No sampling defaults from the model folder (repetition penalty, top-k, ...): generate()
         # would fill every setting its call leaves unset from here. Cf. common.py.

@@ -130,6 +130,9 @@ class Args:
     on_save_error: typing.Literal["stop", "warn"] = "stop"
     """a failed save (disk full, I/O error) stops the run, or warns and trains on; the last good
     one stays latest"""
+    attn_implementation: str = "auto"
+    """transformers attention: eager, sdpa, ... or auto (eager where the family needs it: Gemma 2's
+    soft-capping, which SDPA drops; else transformers' default)"""
     timeout_minutes: float = 30.0
     """a collective waiting longer than this (a peer dead or stuck) fails with an error, not a
     hang"""
@@ -379,14 +382,15 @@ def value_head(model):
 
 def build_models(args, device):
     """(Models, tokenizer, roles = {name: (model, optimizer)} for the trained ones)."""
-    actor, tok = common.load_model_and_tokenizer(args.model, AutoModelForCausalLM)
-    ref, _ = common.load_model_and_tokenizer(args.model, AutoModelForCausalLM)
+    attention = args.attn_implementation
+    actor, tok = common.load_model_and_tokenizer(args.model, AutoModelForCausalLM, attention)
+    ref, _ = common.load_model_and_tokenizer(args.model, AutoModelForCausalLM, attention)
     models = Models(actor, ref.requires_grad_(False), None, None)
     if args.advantage_estimator == "gae":
         # The critic: the SFT backbone and a value head; a zero head gives zero initial values
         # [N policy #2]; a separate network from the actor [37 core #13].
         critic, _ = common.load_model_and_tokenizer(
-            args.model, AutoModelForTokenClassification, num_labels=1
+            args.model, AutoModelForTokenClassification, attention, num_labels=1
         )
         head = value_head(critic)
         torch.nn.init.zeros_(head.weight)
@@ -395,7 +399,7 @@ def build_models(args, device):
         models.critic = critic
     if args.reward_model:
         reward_model, reward_tok = common.load_model_and_tokenizer(
-            args.reward_model, AutoModelForSequenceClassification, num_labels=1
+            args.reward_model, AutoModelForSequenceClassification, attention, num_labels=1
         )
         # transformers' own pooling refuses batches when the config has no pad id; the score is
         # read by `reward_model_scores` from the lengths, whatever this id is.
@@ -844,6 +848,7 @@ def main(args):
         common.stop_token_ids(tok, models.actor.generation_config),
         args.gpu_memory_utilization,
         args.enforce_eager,
+        common.attention_implementation(args.model, args.attn_implementation),
     )
     start = 0
     kl_coef = args.kl_coef  # beta; the adaptive controller moves it [N policy #11]

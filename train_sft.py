@@ -72,6 +72,9 @@ class Args:
     on_save_error: typing.Literal["stop", "warn"] = "stop"
     """a failed save (disk full, I/O error) stops the run, or warns and trains on; the last good
     one stays latest"""
+    attn_implementation: str = "auto"
+    """transformers attention: eager, sdpa, ... or auto (eager where the family needs it: Gemma 2's
+    soft-capping, which SDPA drops; else transformers' default)"""
     timeout_minutes: float = 30.0
     """a collective waiting longer than this (a peer dead or stuck) fails with an error, not a
     hang"""
@@ -226,7 +229,9 @@ def main(args):
     per_rank = args.train_batch_size // world
     metrics_log = common.MetricsLog(args.out_dir, args.tensorboard)
 
-    model, tok = common.load_model_and_tokenizer(args.model, AutoModelForCausalLM)
+    model, tok = common.load_model_and_tokenizer(
+        args.model, AutoModelForCausalLM, args.attn_implementation
+    )
     # from_pretrained returns eval mode: dropout would be silently off until the first eval
     model.train()
     # The model folder's generation_config goes to the exports unchanged; while training, greedy
