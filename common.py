@@ -14,6 +14,7 @@ import argparse
 import ast
 import dataclasses
 import datetime
+import functools
 import gc
 import importlib.util
 import inspect
@@ -28,6 +29,7 @@ import typing
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
@@ -275,6 +277,20 @@ def attention_implementation(path, choice):
     if getattr(config, "attn_logit_softcapping", None):
         return "eager"
     return None
+
+
+def checkpoint_activations(model):
+    """Activation checkpointing on every transformer block: a block keeps only its input during
+    the forward and recomputes its activations in the backward (torch.utils.checkpoint,
+    non-reentrant; it restores the RNG for the recompute, so dropout masks and exact resume hold).
+    Memory for compute. Call it before `shard_model`: FSDP2's hooks then wrap the checkpointed
+    forward, and parameter names do not change (unlike a wrapper module)."""
+    block_names = model._no_split_modules or []
+    for block in model.modules():
+        if type(block).__name__ in block_names:
+            block.forward = functools.partial(
+                torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False
+            )
 
 
 def load_model_and_tokenizer(path, cls, attn_implementation="auto", **kwargs):

@@ -154,3 +154,11 @@ def test_export_round_trip(tmp_path, straight):
     p = run_py("checkpoint.py", "export", latest(straight), tmp_path / "x", "--role", "reward")
     assert p.returncode != 0
     assert "--role reward: checkpoint has roles ['actor', 'critic']" in p.stderr
+
+
+def test_gradient_checkpointing_changes_nothing_but_memory(tmp_path, straight, sft_model):
+    """Actor and critic with activation checkpointing: the same tensors and metrics."""
+    out = str(tmp_path)
+    run("train_ppo.py", *ppo(out, sft_model, "--gradient_checkpointing", "true"))
+    assert_same_tensors(latest(straight), latest(out))
+    assert metrics(straight) == metrics(out)

@@ -227,3 +227,15 @@ def test_torchrun_restarts_a_killed_rank_and_resumes(tmp_path, straight, additio
     assert "resumed from" in log  # the restarted group found the checkpoint without being told
     assert_same_tensors(latest(straight), latest(out))
     assert metrics(straight) == metrics(out)
+
+
+def test_gradient_checkpointing_changes_nothing_but_memory(
+    tmp_path, straight_dropout, addition_jsonl, dropout_model
+):
+    """Recomputing each block's activations in the backward (with attention dropout on: the
+    recompute must draw the same masks) gives the same weights, optimizer state and metrics."""
+    out = str(tmp_path)
+    args = sft(out, addition_jsonl, "--gradient_checkpointing", "true", model=dropout_model)
+    run("train_sft.py", *args)
+    assert_same_tensors(latest(straight_dropout), latest(out))
+    assert metrics(straight_dropout) == metrics(out)
