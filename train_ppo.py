@@ -337,6 +337,7 @@ def logprobs_of(model, batch, temperature):
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
+        use_cache=False,  # no KV cache in a scoring/training forward (cf. checkpoint_activations)
     )
     logits = at_responses(outputs.logits, batch).float()  # [B, R, V]
     logp = (logits / max(temperature, 1e-7)).log_softmax(-1)
@@ -350,6 +351,7 @@ def values_of(critic, batch):
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
+        use_cache=False,  # no KV cache in a scoring/training forward (cf. checkpoint_activations)
     )
     return at_responses(outputs.logits, batch)[..., 0].float()
 

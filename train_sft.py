@@ -160,8 +160,12 @@ def train_step(args, model, optim, sched, mine, n_tokens, pad_id, device):
     for start in range(0, len(mine), args.micro_batch_size):
         micro = mine[start : start + args.micro_batch_size]
         input_ids, attention_mask, labels = collate(micro, pad_id)
+        # use_cache=False: a training forward needs no KV cache (and a checkpointed block's
+        # recompute would append to it a second time)
         logits = model(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            use_cache=False,
         ).logits
         loss = sft_loss(logits, labels.to(device), n_tokens)
         # FSDP averages gradients over ranks; the loss is already a global token mean: undo that
