@@ -10,9 +10,10 @@ tensor (`torch.equal`), and every metric but the timings equal.
 
 The reference file holds, per stage, a digest of every tensor of the export (dtype, shape and the
 sha256 of its bytes: equal digests mean torch.equal tensors) and the metrics rows without `time/*`.
-The committed `bench/demo_reference.json` was recorded on the 2-core x86-64 CPU machine the project
-is developed on: float results can differ on another CPU (other SIMD kernels), so record your own
-reference before a change rather than comparing with ours.
+The committed `bench/demo_reference.json` was recorded on the 2-core AMD EPYC machine the project
+is developed on, after the real-models fixes (masked_whiten in float64 moved PPO's numbers; SFT's
+are those of the first recording): float results can differ on another CPU (other SIMD kernels),
+so record your own reference before a change rather than comparing with ours.
 """
 
 import hashlib
