@@ -34,21 +34,29 @@ def save_tokenizer(hf_tok, path):
         json.dump(config, f, indent=2)
 
 
-def build_gpt2(path):
-    """A 2-layer GPT-2 (tied head) and a character tokenizer with GPT-2's conventions."""
+def char_tokenizer(specials, unk):
+    """A `tokenizers` character tokenizer: the specials first, then one token per printable ASCII
+    character (as the embedded tiny model's), so each family only sets its special tokens."""
     from tokenizers import Regex
     from tokenizers import Tokenizer
     from tokenizers import decoders
     from tokenizers import models
     from tokenizers import pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(specials + task.CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=unk))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return tok
+
+
+def build_gpt2(path):
+    """A 2-layer GPT-2 (tied head) and a character tokenizer with GPT-2's conventions."""
     from transformers import GPT2Config
     from transformers import GPT2LMHeadModel
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate([EOS] + task.CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=EOS))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    tok = char_tokenizer([EOS], unk=EOS)
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=EOS, eos_token=EOS, unk_token=EOS
     )
@@ -133,21 +141,12 @@ def build_qwen2(path):
 def build_gemma2(path):
     """A 2-layer Gemma 2: attention and final-logit soft-capping, sliding-window layers, a tied
     head that vLLM's Gemma 2 has no lm_head module for; Gemma's <pad>, <eos>, <bos> ids."""
-    from tokenizers import Regex
-    from tokenizers import Tokenizer
-    from tokenizers import decoders
-    from tokenizers import models
-    from tokenizers import pre_tokenizers
     from tokenizers import processors
     from transformers import Gemma2Config
     from transformers import Gemma2ForCausalLM
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
-    vocab = {t: i for i, t in enumerate(specials + task.CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    tok = char_tokenizer(["<pad>", "<eos>", "<bos>", "<unk>"], unk="<unk>")
     tok.post_processor = processors.TemplateProcessing(
         single="<bos> $A", special_tokens=[("<bos>", 2)]
     )
