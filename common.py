@@ -19,6 +19,8 @@ import gc
 import importlib.util
 import inspect
 import json
+import math
+import operator
 import os
 import random
 import signal
@@ -30,7 +32,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import OffloadPolicy
 from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
 from transformers import AutoConfig
@@ -54,6 +58,13 @@ def field_docs(cls):
     return docs
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with its errors in one line: the flag and what was expected (no usage block)."""
+
+    def error(self, message):
+        raise SystemExit(f"error: {message} (--help lists every flag)")
+
+
 def parse_bool(text):
     """Only 'true' or 'false' (any case): a typo is an error, not a silent False."""
     if text.lower() not in ("true", "false"):
@@ -61,11 +72,13 @@ def parse_bool(text):
     return text.lower() == "true"
 
 
-def parse_args(cls):
-    """The `Args` dataclass from the command line; each field's docstring is its --help."""
+def parse_args(cls, limits):
+    """The `Args` dataclass from the command line; each field's docstring is its --help. Every
+    number is then checked against `limits` (`check_limits`): bad flags stop here, before any
+    work, with one line naming the flag."""
     docs = field_docs(cls)
     description = sys.modules[cls.__module__].__doc__.split("\n")[0]
-    parser = argparse.ArgumentParser(description=description)
+    parser = ArgumentParser(description=description)
     for f in dataclasses.fields(cls):
         choices = typing.get_args(f.type) or None  # typing.Literal["stop", "warn"]
         kind = f.type
@@ -78,6 +91,7 @@ def parse_args(cls):
             f"--{f.name}", type=kind, choices=choices, default=f.default, help=help_text
         )
     args = cls(**vars(parser.parse_args()))
+    check_limits(args, limits)
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise SystemExit(
             "error: --tensorboard needs the tensorboard package: pip install tensorboard"
@@ -88,6 +102,25 @@ def parse_args(cls):
             "latest"  # torchrun --max-restarts restarted the group: carry on where it stopped
         )
     return args
+
+
+COMPARISONS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+
+
+def check_limits(args, limits):
+    """Refuse a flag outside what it allows, in one line naming it. limits: {flag: rule}, a rule
+    being conditions joined by commas, e.g. "> 0" or ">= 0, <= 1". Every float flag must also be
+    finite: an --lr of inf or a --max_grad_norm of nan trains to NaN weights and exits 0."""
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise SystemExit(f"error: --{f.name} {value}: expected a finite number")
+    for name, rule in limits.items():
+        value = getattr(args, name)
+        for condition in rule.split(","):
+            op, bound = condition.split()
+            if not COMPARISONS[op](value, float(bound)):
+                raise SystemExit(f"error: --{name} {value}: expected a number {rule}")
 
 
 # ---- processes -----------------------------------------------------------------------------------
@@ -247,20 +280,40 @@ def batch_indices(step, n, batch_size, seed):
     return perm[i * batch_size : (i + 1) * batch_size].tolist(), epoch
 
 
+def eval_share(items):
+    """(this rank's share of an evaluation set, how many of it count). Every rank gets the same
+    number, ceil(len / world): every generate or sharded forward is a collective, so no rank may
+    run fewer. The short shares are padded with copies of items[0] that are not counted, so every
+    item is evaluated exactly once, and a set smaller than the world size works."""
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    mine = items[rank::world]
+    counted = len(mine)
+    per_rank = -(-len(items) // world)  # ceil
+    return mine + [items[0]] * (per_rank - counted), counted
+
+
 # ---- models --------------------------------------------------------------------------------------
-def shard_model(model, device):
+def shard_model(model, device, offload=False):
     """FSDP2: fully_shard every transformer block (HF names them in _no_split_modules), then the
     root.
-    bf16 compute with fp32 gradient reduction and fp32 master weights on GPU; plain fp32 on CPU."""
+    bf16 compute with fp32 gradient reduction and fp32 master weights on GPU; plain fp32 on CPU.
+    offload: FSDP2's CPU offload, for the frozen models. Their shards then live in host memory and
+    each block's shard is copied to the GPU just before its all-gather, and dropped after its
+    forward: GPU memory for a host-to-device copy per block and forward. (Pinned host memory
+    needs CUDA; on a CPU run the copy is a no-op and the run is bitwise the same.)"""
     if device.type == "cuda":
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         mp_policy = MixedPrecisionPolicy()
+    offload_policy = OffloadPolicy()  # FSDP2's default: no offload
+    if offload:
+        offload_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     block_names = model._no_split_modules or []
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
     for block in blocks:
-        fully_shard(block, mp_policy=mp_policy)
-    fully_shard(model, mp_policy=mp_policy)
+        fully_shard(block, mp_policy=mp_policy, offload_policy=offload_policy)
+    fully_shard(model, mp_policy=mp_policy, offload_policy=offload_policy)
     return model
 
 
@@ -362,8 +415,13 @@ def end_of_step(args, step, device, roles, meta, hf_objs):
         meta = {**meta, "args": vars(args)}
         # The last save blocks even with --async_save: the process exits right after it.
         background = args.async_save and not last
+        # --on_save_error warn trains on past a failed save, but a failed last save must stop with
+        # an error: exiting 0 would say success with the trained weights gone.
+        on_error = args.on_save_error
+        if last:
+            on_error = "stop"
         saved = checkpoint.save(
-            args.out_dir, step, roles, meta, hf_objs, args.keep_last, background, args.on_save_error
+            args.out_dir, step, roles, meta, hf_objs, args.keep_last, background, on_error
         )
     stop = signalled or step == args.stop_at_step
     if stop:
@@ -405,11 +463,11 @@ def is_our_frame(frame, here):
     return frame.filename.startswith(here) and "-packages" not in frame.filename
 
 
-def run(main, cls):
-    """main(parse_args(cls)); a bad checkpoint or a failed collective ends in one line naming
-    them."""
+def run(main, cls, limits):
+    """main(parse_args(cls, limits)); a bad checkpoint or a failed collective ends in one line
+    naming them."""
     try:
-        main(parse_args(cls))
+        main(parse_args(cls, limits))
         # FSDP modules sit in reference cycles: free them (and the gloo work objects they hold) now,
         # not while the interpreter shuts down: that aborted a rank twice in ~150 runs here
         # (cf. pytorch#179291).

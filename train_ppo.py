@@ -80,7 +80,7 @@ class Args:
     """critic learning rate"""
     max_grad_norm: float = 1.0
     """clip each model's global gradient norm to this"""
-    advantage_estimator: str = "gae"
+    advantage_estimator: typing.Literal["gae", "grpo", "rloo"] = "gae"
     """gae (critic + GAE), grpo (group mean/std baseline, no critic) or rloo (leave-one-out, no
     critic)"""
     gamma: float = 1.0
@@ -109,7 +109,7 @@ class Args:
     """response length limit"""
     temperature: float = 1.0
     """sampling temperature, applied to the logits of every logprob too [N policy #1]"""
-    rollout_engine: str = "auto"
+    rollout_engine: typing.Literal["auto", "vllm", "hf"] = "auto"
     """vllm, hf, or auto (vllm when installed)"""
     gpu_memory_utilization: float = 0.3
     """GPU only: share of GPU memory vLLM may take (the trainer needs the rest)"""
@@ -133,6 +133,10 @@ class Args:
     gradient_checkpointing: bool = False
     """activation checkpointing on every transformer block (of actor and critic in PPO): less
     memory, about a third more compute"""
+    offload_frozen: bool = False
+    """FSDP2 CPU offload for the frozen models (reference and reward model): their weights live in
+    host memory and each block is copied to the GPU for its forward (less GPU memory, a copy per
+    block)"""
     attn_implementation: str = "auto"
     """transformers attention: eager, sdpa, ... or auto (eager where the family needs it: Gemma 2's
     soft-capping, which SDPA drops; else transformers' default)"""
@@ -145,6 +149,41 @@ class Args:
     stop_at_step: int = 0
     """save and exit after this iteration, as a preempted run would (for testing resume); 0:
     never"""
+
+
+# What each number may be, checked when the flags are parsed (`common.check_limits`); every float
+# must also be finite. `--keep_last 0` keeps every checkpoint; 0 turns the *_every flags off.
+LIMITS = {
+    "max_steps": ">= 1",
+    "save_every": ">= 0",
+    "keep_last": ">= 0",
+    "rollout_batch_size": ">= 1",
+    "n_samples_per_prompt": ">= 1",
+    "train_batch_size": ">= 1",
+    "micro_batch_size": ">= 1",
+    "ppo_epochs": ">= 1",
+    "lr": ">= 0",
+    "critic_lr": ">= 0",
+    "max_grad_norm": "> 0",
+    "gamma": ">= 0, <= 1",
+    "lam": ">= 0, <= 1",
+    "cliprange": "> 0",
+    "cliprange_value": "> 0",
+    "kl_coef": ">= 0",
+    "target_kl": ">= 0",
+    "missing_eos_penalty": ">= 0",
+    "max_new_tokens": ">= 1",
+    # Every logprob divides the logits by the temperature [N policy #1], and PPO trains on sampled
+    # responses: 0 (greedy) is for evaluation, which decodes greedily by itself.
+    "temperature": "> 0",
+    "gpu_memory_utilization": "> 0, <= 1",
+    "logprob_diff_warn": ">= 0",
+    "eval_every": ">= 0",
+    "eval_samples": ">= 0",
+    "save_every_minutes": ">= 0",
+    "timeout_minutes": "> 0",
+    "stop_at_step": ">= 0",
+}
 
 
 # ---- the math, as in the papers ----------------------------------------------------------------
@@ -417,9 +456,12 @@ def build_models(args, device):
             common.checkpoint_activations(models.critic)
     # Every model stays in eval mode: dropout off, so the first ratio is exactly 1 and the KL is
     # reproducible [N policy #4]; gradients flow all the same.
-    for model in (actor, ref, models.critic, models.reward_model):
+    for model in (actor, models.critic):
         if model is not None:
             common.shard_model(model.eval(), device)
+    for model in (ref, models.reward_model):
+        if model is not None:
+            common.shard_model(model.eval(), device, offload=args.offload_frozen)
     # AdamW with eps 1e-5 [N general #5]
     roles = {"actor": (actor, torch.optim.AdamW(actor.parameters(), lr=args.lr, eps=1e-5))}
     if models.critic is not None:
@@ -479,17 +521,10 @@ def check_args(args, world):
             f"{args.train_batch_size}, that by --micro_batch_size {args.micro_batch_size} x "
             "world size"
         )
-    known = args.advantage_estimator in ("gae", "grpo", "rloo")
-    if not known or (args.advantage_estimator != "gae" and n < 2):
+    if args.advantage_estimator != "gae" and n < 2:
         raise SystemExit(
-            f"error: --advantage_estimator {args.advantage_estimator}: expected gae, or "
-            "grpo/rloo with --n_samples_per_prompt >= 2"
-        )
-    if args.temperature <= 0:
-        # Every logprob divides the logits by the temperature [N policy #1]; PPO needs samples.
-        raise SystemExit(
-            f"error: --temperature {args.temperature}: PPO trains on sampled responses and "
-            "divides the logits by it; expected > 0 (evaluation decodes greedily by itself)"
+            f"error: --advantage_estimator {args.advantage_estimator} compares the samples of a "
+            f"prompt: expected --n_samples_per_prompt >= 2, got {n}"
         )
 
 
@@ -757,17 +792,15 @@ def optimizer_step(roles, max_grad_norm):
 def evaluate(args, engine, tok, models, items, device):
     """Mean score of greedy responses to held-out prompts (= accuracy for a 0/1 reward).
     Collective: every rank decodes and scores an equal share (scoring may be collective)."""
-    rank = dist.get_rank()
-    world = dist.get_world_size()
-    mine = items[rank::world]
-    mine = mine[: len(items) // world]
+    mine, counted = common.eval_share(items)  # equal shares: scoring may be collective
     prompt_ids = [ids for ids, _ in mine]
     gen = engine.generate(prompt_ids, 1, args.max_new_tokens, 0.0, 1.0, [0] * len(mine))
     texts = [text for _, text in mine]
     scores = score(args, tok, models, texts, gen.response_ids, gen.finished, device)
-    total = torch.stack([scores.sum(), torch.tensor(float(len(mine)))]).to(device)
-    dist.all_reduce(total)  # every rank's sum of scores and count
-    return (total[0] / total[1]).item()
+    sums = [scores[:counted].sum().item(), counted]
+    totals = torch.tensor(sums, dtype=torch.float64, device=device)
+    dist.all_reduce(totals)  # every rank's sum of scores and count
+    return (totals[0] / totals[1]).item()
 
 
 def rollout_sums(raw_scores, gen, kl, exp, gap):
@@ -969,4 +1002,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    common.run(main, Args)
+    common.run(main, Args, LIMITS)

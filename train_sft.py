@@ -88,6 +88,25 @@ class Args:
     """save and exit after this step, as a preempted run would (for testing resume); 0: never"""
 
 
+# What each number may be, checked when the flags are parsed (`common.check_limits`); every float
+# must also be finite. `--keep_last 0` keeps every checkpoint; 0 turns the *_every flags off.
+LIMITS = {
+    "max_steps": ">= 1",
+    "save_every": ">= 0",
+    "keep_last": ">= 0",
+    "train_batch_size": ">= 1",
+    "micro_batch_size": ">= 1",
+    "lr": ">= 0",
+    "warmup_steps": ">= 0",
+    "max_grad_norm": "> 0",
+    "eval_every": ">= 0",
+    "eval_samples": ">= 0",
+    "save_every_minutes": ">= 0",
+    "timeout_minutes": "> 0",
+    "stop_at_step": ">= 0",
+}
+
+
 # ---- the math ----------------------------------------------------------------------------------
 def encode(tok, example, max_len, where):
     """(input_ids, n_prompt): the prompt's tokens, then the response and EOS, which the loss is
@@ -193,14 +212,11 @@ def batch_tokens(examples):
 def greedy_accuracy(model, tok, examples, stop_ids, device, batch_size=64):
     """Exact-match accuracy of greedy decoding on {"prompt", "response"} examples, by the
     FSDP2-sharded model itself (no unsharded copy). Collective: every rank decodes its share."""
-    rank = dist.get_rank()
     world = dist.get_world_size()
-    # Equal shares: every generate step is a collective, so no rank may finish early.
-    mine = examples[rank::world]
-    mine = mine[: len(examples) // world]
+    mine, counted = common.eval_share(examples)  # equal shares: no rank may finish early
     longest = max(len(tok(e["response"], add_special_tokens=False).input_ids) for e in examples)
     model.eval()
-    correct = torch.zeros(1, device=device)
+    right = []  # per example of `mine`
     for start in range(0, len(mine), batch_size):
         chunk = mine[start : start + batch_size]
         prompts = {"input_ids": [common.encode_prompt(tok, e["prompt"]) for e in chunk]}
@@ -215,10 +231,11 @@ def greedy_accuracy(model, tok, examples, stop_ids, device, batch_size=64):
             eos_token_id=stop_ids,  # every id the model may end a response with
         )
         texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        correct += sum(t.strip() == e["response"].strip() for t, e in zip(texts, chunk))
+        right += [t.strip() == e["response"].strip() for t, e in zip(texts, chunk)]
     model.train()
-    dist.all_reduce(correct)  # the sum of every rank's correct answers
-    return correct.item() / (len(mine) * world)
+    totals = torch.tensor([sum(right[:counted]), counted], dtype=torch.float64, device=device)
+    dist.all_reduce(totals)  # every rank's correct answers and examples
+    return (totals[0] / totals[1]).item()
 
 
 def check_batch_sizes(args, world):
@@ -305,4 +322,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    common.run(main, Args)
+    common.run(main, Args, LIMITS)

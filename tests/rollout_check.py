@@ -1,6 +1,11 @@
-"""Run under torchrun by tests/test_rollout.py: vLLM vs HF engines, weight sync from an FSDP2
-actor, seeded sampling. Every rank checks its own engine; any failed assert makes torchrun
-exit non-zero."""
+"""Run under torchrun by tests/test_rollout.py (the tiny Llama: untied head) and
+tests/test_families.py (GPT-2: a tied head, no PAD): vLLM vs HF engines, weight sync from an FSDP2
+actor, seeded sampling. Argument: a model folder (default: the tiny Llama). Every rank checks its
+own engine; any failed assert makes torchrun exit non-zero.
+
+The weight-sync sentinel is step 4: the actor is perturbed, and the engines' logprobs must follow
+it after `sync_weights` (and not before). With a tied head, an engine that kept a stale head (each
+tied tensor sent once, to the embedding only) fails it."""
 
 import os
 import sys
@@ -9,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
+from transformers import GenerationConfig  # noqa: E402
 
 import common  # noqa: E402
 import rollout  # noqa: E402
@@ -35,15 +40,17 @@ def max_diff(a, b):
     return max((x - torch.tensor(y)).abs().max().item() for x, y in zip(a, b))
 
 
-def main():
+def main(path):
     rank, world, device = common.init_distributed(0)
     task.ensure_tiny_model()
-    tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
-    vl = rollout.build_engine("vllm", task.TINY_MODEL, 64, 0, [tok.eos_token_id])
-    hf = rollout.build_engine("hf", task.TINY_MODEL, 64, 0, [tok.eos_token_id])
-    actor = common.shard_model(AutoModelForCausalLM.from_pretrained(task.TINY_MODEL).eval(), device)
+    attention = common.attention_implementation(path, "auto")
+    model, tok = common.load_model_and_tokenizer(path, AutoModelForCausalLM, attention)
+    stop_ids = common.stop_token_ids(tok, GenerationConfig.from_pretrained(path))
+    vl = rollout.build_engine("vllm", path, 64, 0, stop_ids)
+    hf = rollout.build_engine("hf", path, 64, 0, stop_ids, attn_implementation=attention)
+    actor = common.shard_model(model.eval(), device)
     examples = task.make_split("test")[rank * 6 : rank * 6 + 6]
-    prompts = [tok(e["prompt"]).input_ids for e in examples]
+    prompts = [common.encode_prompt(tok, e["prompt"]) for e in examples]
     seeds = [rollout.prompt_seed(0, 1, rank * 6 + i) for i in range(6)]
 
     # 1. Greedy: identical token ids from both engines.
@@ -97,7 +104,7 @@ def main():
     # 5. EOS: make EOS likely; responses stop right after it, `finished` says so, engines agree.
     actor.reshard()
     with torch.no_grad():
-        head = actor.lm_head.weight
+        head = actor.get_output_embeddings().weight  # with a tied head: the embedding too
         local = head.to_local()
         # Shard(0): rank r holds rows from here
         start = rank * ((head.shape[0] + world - 1) // world)
@@ -112,7 +119,8 @@ def main():
     for g in (g_vl, g_hf, s_vl, s_hf):
         assert any(g.finished), g.response_ids
         for ids, lps, done in zip(g.response_ids, g.logprobs, g.finished):
-            assert done == (ids[-1] == tok.eos_token_id) and tok.eos_token_id not in ids[:-1]
+            assert done == (ids[-1] in stop_ids)
+            assert not set(stop_ids) & set(ids[:-1])
             assert len(lps) == len(ids) and (done or len(ids) == NEW)
 
     dist.barrier()  # every rank is done before the engines tear vLLM (and the default group) down
@@ -123,4 +131,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1] if len(sys.argv) > 1 else task.TINY_MODEL)

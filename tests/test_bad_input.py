@@ -136,9 +136,31 @@ def test_ppo_batch_sizes(tmp_path):
     assert_one_line_error(p, "batch sizes do not divide", "--train_batch_size 4")
 
 
-def test_ppo_temperature_zero_is_refused(tmp_path):
-    p = run_py("train_ppo.py", "--out_dir", tmp_path, "--temperature", 0)
-    assert_one_line_error(p, "--temperature 0.0", "expected > 0")
+@pytest.mark.parametrize(
+    "script,flag,value,needle",
+    [
+        ("train_sft.py", "--keep_last", -1, "expected a number >= 0"),  # kept one, silently
+        ("train_sft.py", "--lr", "inf", "expected a finite number"),  # trained to NaN, exit 0
+        ("train_sft.py", "--max_grad_norm", "nan", "expected a finite number"),
+        ("train_sft.py", "--max_steps", 0, "expected a number >= 1"),  # did nothing, exit 0
+        ("train_sft.py", "--max_steps", -3, "expected a number >= 1"),
+        ("train_sft.py", "--train_batch_size", 0, "expected a number >= 1"),
+        ("train_sft.py", "--async_save", "yes", "expected true or false"),
+        ("train_ppo.py", "--temperature", 0, "expected a number > 0"),  # all-zero losses
+        ("train_ppo.py", "--temperature", -1, "expected a number > 0"),  # vLLM's traceback
+        ("train_ppo.py", "--n_samples_per_prompt", 0, "expected a number >= 1"),
+        ("train_ppo.py", "--max_new_tokens", 0, "expected a number >= 1"),
+        ("train_ppo.py", "--gamma", 1.5, "expected a number >= 0, <= 1"),
+        ("train_ppo.py", "--micro_batch_size", -2, "expected a number >= 1"),
+        ("train_ppo.py", "--advantage_estimator", "ppo", "invalid choice: 'ppo'"),
+    ],
+)
+def test_flags_out_of_range(tmp_path, script, flag, value, needle):
+    """Checked at parse time (`common.check_limits`), before any model loads."""
+    p = run_py(script, "--out_dir", tmp_path, flag, value)
+    assert_one_line_error(p, flag, needle)
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr  # no usage block either
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_tokenizer_larger_than_the_embeddings(tmp_path):
@@ -158,3 +180,27 @@ def test_tokenizer_larger_than_the_embeddings(tmp_path):
     tok.save_pretrained(model_dir)
     p = run_py("train_sft.py", "--model", model_dir, "--out_dir", tmp_path / "out")
     assert_one_line_error(p, "139 tokens", "128 rows", "resize_token_embeddings")
+
+
+@pytest.mark.slow
+def test_eval_set_smaller_than_the_world_size(tmp_path):
+    """One held-out example on 2 ranks divided by zero before the final save (SFT: a traceback, no
+    last checkpoint, no export; PPO: NaN accuracy, exit 0). Now the short rank evaluates a padding
+    copy that is not counted (`common.eval_share`), and every example counts exactly once."""
+    import math
+
+    from conftest import metrics
+    from conftest import run
+
+    sft = tmp_path / "sft"
+    args = ("--max_steps", 2, "--train_batch_size", 8, "--micro_batch_size", 4)
+    run("train_sft.py", "--out_dir", sft, *args, "--eval_samples", 1, "--eval_every", 1)
+    accuracies = [row["eval/accuracy"] for row in metrics(sft)]
+    assert len(accuracies) == 2 and all(a in (0.0, 1.0) for a in accuracies), accuracies
+    assert (sft / "hf" / "model.safetensors").exists()
+    ppo = tmp_path / "ppo"
+    args = ("--model", sft / "hf", "--out_dir", ppo, "--rollout_engine", "hf", "--max_steps", 1)
+    args += ("--rollout_batch_size", 4, "--n_samples_per_prompt", 2, "--train_batch_size", 8)
+    run("train_ppo.py", *args, "--micro_batch_size", 4, "--eval_samples", 1)
+    accuracies = [row["eval/accuracy"] for row in metrics(ppo)]
+    assert len(accuracies) == 2 and all(math.isfinite(a) for a in accuracies), accuracies

@@ -4,20 +4,28 @@ Gemma 2: soft-capped attention (SDPA drops it, vLLM applies it) and no lm_head m
 GPT-2: its head is tied to the embeddings, its tokenizer has one token for BOS = EOS = UNK and no
 PAD, and its classifier heads are called `classifier`, not `score`. Qwen2-Instruct: a tied head, a
 ChatML chat template, two EOS ids in its generation config and sampling defaults there (repetition
-penalty 1.05, top-k 20, top-p 0.8) that must not leak into sampling. Each goes through SFT -> PPO
-(GAE critic) on 2 ranks; every step, the engine's sampled-token logprobs must equal the actor's
-(`rollout/logprob_diff_mean`), which holds only if the tied head reached the engine at every weight
-sync and the engine sampled without the model's defaults.
+penalty 1.05, top-k 20, top-p 0.8) that must not leak into sampling. Llama 3 base: no PAD, BOS
+prepended, llama3 RoPE scaling. Each goes through SFT -> PPO (GAE critic) on 2 ranks; every step,
+the engine's sampled-token logprobs must equal the actor's (`rollout/logprob_diff_mean`), which
+holds only if the tied head reached the engine at every weight sync and the engine sampled without
+the model's defaults. The vLLM-engine run of each family is then resumed from its step-2
+checkpoint (bitwise the same end), exported with `checkpoint.py export`, and loaded by plain
+transformers and plain vLLM, which must decode the same greedy tokens (tests/roundtrip_check.py).
 """
 
 import json
 import os
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 import task
+from conftest import assert_same_tensors
+from conftest import latest
 from conftest import metrics
 from conftest import run
+from conftest import run_py
 
 pytestmark = pytest.mark.slow
 EOS = "<|endoftext|>"
@@ -72,8 +80,6 @@ def build_gpt2(path):
         eos_token_id=0,
         tie_word_embeddings=True,
     )
-    import torch
-
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
     assert model.lm_head.weight is model.transformer.wte.weight
@@ -130,8 +136,6 @@ def build_qwen2(path):
         bos_token_id=0,
         eos_token_id=2,
     )
-    import torch
-
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(path)
     defaults = dict(repetition_penalty=1.05, top_k=20, top_p=0.8, temperature=0.7, do_sample=True)
@@ -174,10 +178,49 @@ def build_gemma2(path):
         bos_token_id=2,
     )
     assert config.attn_logit_softcapping and config.final_logit_softcapping
-    import torch
-
     torch.manual_seed(0)
     Gemma2ForCausalLM(config).save_pretrained(path)
+
+
+def build_llama3(path):
+    """A 2-layer Llama 3 base: Llama 3's special tokens with BOS prepended, no PAD (as Meta ships
+    it), llama3 RoPE scaling, an untied head."""
+    from tokenizers import processors
+    from transformers import GenerationConfig
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+    tok = char_tokenizer(specials, unk="<|end_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)]
+    )
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=specials[0], eos_token=specials[1]
+    )
+    assert hf_tok.pad_token is None
+    save_tokenizer(hf_tok, path)
+    rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        rope_scaling={**rope, "original_max_position_embeddings": 32},
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    GenerationConfig(bos_token_id=0, eos_token_id=1, do_sample=True, top_p=0.9).save_pretrained(
+        path
+    )
 
 
 def sft(tmp_path_factory, base, name):
@@ -187,12 +230,15 @@ def sft(tmp_path_factory, base, name):
     return out
 
 
-def ppo(out, model, engine):
+def ppo_args(out, model, engine):
     args = ("--model", model, "--out_dir", out, "--rollout_engine", engine)
     args += ("--rollout_batch_size", 16, "--n_samples_per_prompt", 2, "--train_batch_size", 16)
     args += ("--micro_batch_size", 8, "--max_steps", 3, "--eval_samples", 16, "--eval_every", 0)
-    args += ("--temperature", 0.9)
-    run("train_ppo.py", *args)
+    return args + ("--temperature", 0.9, "--save_every", 2)
+
+
+def ppo(out, model, engine):
+    run("train_ppo.py", *ppo_args(out, model, engine))
     rows = metrics(out)[1:]  # step 0 is the starting evaluation
     assert len(rows) == 3
     for row in rows:
@@ -205,6 +251,35 @@ def ppo(out, model, engine):
     return rows
 
 
+def resume_export_roundtrip(out, model):
+    """The family's run resumed from its step-2 checkpoint ends bitwise where the straight run
+    ended (every tensor, optimizer state included, and the step's metrics); `checkpoint.py export`
+    of the resumed checkpoint equals the run's own export; transformers and vLLM load it and decode
+    the same greedy tokens."""
+    resumed = out + "-resumed"
+    step_2 = os.path.join(out, "checkpoints", "step-00000002")
+    run("train_ppo.py", *ppo_args(resumed, model, "vllm"), "--resume", step_2)
+    assert_same_tensors(latest(out), latest(resumed))
+    assert metrics(resumed) == metrics(out)[3:]
+    exported = out + "-export"
+    p = run_py("checkpoint.py", "export", latest(resumed), exported)
+    assert p.returncode == 0, p.stderr[-2000:]
+    ours = load_file(os.path.join(out, "hf", "model.safetensors"))
+    theirs = load_file(os.path.join(exported, "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    p = run_py("tests/roundtrip_check.py", exported)
+    assert p.returncode == 0 and "ROUNDTRIP_OK" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+
+
+def family_case(tmp_path, sft_folder, engine):
+    """SFT -> PPO on one engine; on vLLM also resume -> export -> transformers and vLLM."""
+    out = str(tmp_path / "ppo")
+    ppo(out, sft_folder, engine)
+    if engine == "vllm":
+        resume_export_roundtrip(out, sft_folder)
+
+
 @pytest.fixture(scope="module")
 def gpt2_sft(tmp_path_factory):
     base = str(tmp_path_factory.mktemp("gpt2"))
@@ -215,9 +290,9 @@ def gpt2_sft(tmp_path_factory):
     return os.path.join(out, "hf")
 
 
-@pytest.mark.parametrize("engine", ["vllm", "hf"])
-def test_gpt2_tied_head_no_pad_through_ppo(tmp_path, gpt2_sft, engine):
-    ppo(str(tmp_path / "ppo"), gpt2_sft, engine)
+def test_gpt2_tied_head_no_pad_through_ppo(tmp_path, gpt2_sft):
+    """The HF engine with a tied head: Qwen2's case below, and the sentinel test."""
+    family_case(tmp_path, gpt2_sft, "vllm")
 
 
 @pytest.fixture(scope="module")
@@ -234,13 +309,12 @@ def qwen2_sft(tmp_path_factory):
 def test_qwen2_chatml_two_eos_ids_and_sampling_defaults(tmp_path, qwen2_sft, engine):
     """Stops at either EOS id and samples without the model's repetition penalty / top-k / top-p
     (the HF engine applied them before: 0.12-0.36 logprob away from the actor)."""
-    ppo(str(tmp_path / "ppo"), qwen2_sft, engine)
+    family_case(tmp_path, qwen2_sft, engine)
 
 
 def test_reward_model_of_another_family(tmp_path):
     """The tiny Llama policy scored by a GPT-2 reward model: another vocabulary, no PAD. It gets
     its own tokenisation of the decoded text (the policy's ids would index the wrong rows)."""
-    import torch
     from transformers import AutoModelForSequenceClassification
 
     reward_dir = str(tmp_path / "rm")
@@ -252,6 +326,7 @@ def test_reward_model_of_another_family(tmp_path):
     out = str(tmp_path / "ppo")
     args = ("--model", task.TINY_MODEL, "--out_dir", out, "--rollout_engine", "hf")
     args += ("--reward_model", reward_dir, "--advantage_estimator", "grpo")
+    args += ("--offload_frozen", "true")  # FSDP2 CPU offload of the frozen models: runs on CPU
     args += ("--rollout_batch_size", 8, "--n_samples_per_prompt", 2, "--train_batch_size", 16)
     args += ("--micro_batch_size", 4, "--max_steps", 2, "--eval_samples", 8, "--eval_every", 0)
     run("train_ppo.py", *args)
@@ -273,4 +348,27 @@ def gemma2_sft(tmp_path_factory):
 def test_gemma2_softcapping_and_no_lm_head_in_vllm(tmp_path, gemma2_sft, engine):
     """vLLM refused the weight sync (no lm_head module), and SDPA dropped the soft-capping that
     vLLM applies (a logprob gap of 7e-3 to 2.3e-2): eager attention, and no lm_head sent."""
-    ppo(str(tmp_path / "ppo"), gemma2_sft, engine)
+    family_case(tmp_path, gemma2_sft, engine)
+
+
+@pytest.fixture(scope="module")
+def llama3_sft(tmp_path_factory):
+    base = str(tmp_path_factory.mktemp("llama3"))
+    build_llama3(base)
+    return os.path.join(sft(tmp_path_factory, base, "llama3-sft"), "hf")
+
+
+def test_llama3_base_no_pad(tmp_path, llama3_sft):
+    """No PAD token, BOS prepended, llama3 RoPE: through PPO, resume, export, both loaders."""
+    family_case(tmp_path, llama3_sft, "vllm")
+
+
+def test_weight_sync_sentinel_tied_head(tmp_path):
+    """rollout_check on a tied-head model with no PAD (GPT-2): the engines' logprobs follow a
+    perturbed actor after `sync_weights` only, both engines, EOS and seeds as for the tiny Llama
+    (tests/test_rollout.py: the untied case)."""
+    base = str(tmp_path / "gpt2")
+    build_gpt2(base)
+    p = run("tests/rollout_check.py", base, nproc=2)
+    assert "ROLLOUT CHECK OK rank 0" in p.stdout, p.stdout[-2000:]
+    assert "ROLLOUT CHECK OK rank 1" in p.stdout, p.stdout[-2000:]
