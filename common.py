@@ -19,6 +19,7 @@ import gc
 import importlib.util
 import inspect
 import json
+import logging
 import math
 import operator
 import os
@@ -27,11 +28,13 @@ import signal
 import sys
 import traceback
 import typing
+import warnings
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
+import transformers.utils.logging
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import OffloadPolicy
@@ -463,19 +466,68 @@ def is_our_frame(frame, here):
     return frame.filename.startswith(here) and "-packages" not in frame.filename
 
 
+def quiet_console(verbose):
+    """Third-party chatter down to errors unless --verbose: vLLM's, transformers' and torch's log
+    records below ERROR, their loading bars (transformers' per model and role, vLLM's per engine),
+    transformers' load reports, Python warnings (this project prints, it never warns). Left to the
+    environment: torchrun's own OMP_NUM_THREADS banner and torch's C++ warnings, which are set
+    before any Python runs (`launch.sh` sets OMP_NUM_THREADS and TORCH_CPP_LOG_LEVEL=ERROR)."""
+    if verbose:
+        return
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when rollout.py imports vLLM
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+
+def print_error(line):
+    """An error line on stderr, whole and on a line of its own: rank 0's progress bar is cleared
+    first (tqdm.write), and another rank starts a new line, since rank 0's bar may be on it. One
+    write per line, so two ranks' errors never glue together."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        sys.stderr.write("\n" + line + "\n")
+        sys.stderr.flush()
+        return
+    tqdm.write(line, file=sys.stderr)
+    sys.stderr.flush()
+
+
+def finish(args, step, final, role=None):
+    """Rank 0, at the end of a run: export the final checkpoint `final` (the `role` model) as an HF
+    folder for the next stage, vLLM and transformers, and print one summary line."""
+    if dist.get_rank() != 0:
+        return
+    if step == args.max_steps and final:
+        hf = os.path.join(args.out_dir, "hf")
+        checkpoint.export(final, hf, role)
+        print(f"done: {step} steps; checkpoint {final}; model {hf}", flush=True)
+        return
+    latest = os.path.join(args.out_dir, "checkpoints", "latest")
+    print(f"stopped at step {step} of {args.max_steps}; checkpoint named in {latest}", flush=True)
+
+
 def run(main, cls, limits):
-    """main(parse_args(cls, limits)); a bad checkpoint or a failed collective ends in one line
-    naming them."""
+    """main(parse_args(cls, limits)); a bad flag, a bad checkpoint or a failed collective ends in
+    one line naming them (`print_error`), and the exit status 1."""
     try:
-        main(parse_args(cls, limits))
+        args = parse_args(cls, limits)
+        quiet_console(args.verbose)
+        main(args)
         # FSDP modules sit in reference cycles: free them (and the gloo work objects they hold) now,
         # not while the interpreter shuts down: that aborted a rank twice in ~150 runs here
         # (cf. pytorch#179291).
         gc.collect()
+        return
+    except SystemExit as e:
+        if not isinstance(e.code, str):  # an exit status, not an error message
+            raise
+        line = e.code
     except checkpoint.CheckpointError as e:
-        raise SystemExit(f"error: {e}")
+        line = f"error: {e}"
     except (RuntimeError, dist.DistError) as e:
         line = collective_failure(e)
         if line is None:
             raise
-        raise SystemExit(line)
+    print_error(line)
+    raise SystemExit(1)

@@ -29,13 +29,41 @@ setup() {
   echo "$want" > .venv/.installed
 }
 
+# torchrun itself, without its launcher chatter: when a rank fails, the ranks have printed their
+# one-line errors, and torchrun's report (a Python traceback and a failure table) says nothing more.
+# One line is added only when the first rank to fail did not exit with our status 1 (a signal, a
+# crash): then no line of ours explains it.
+QUIET_TORCHRUN='
+import logging
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import main
+
+for name in list(logging.root.manager.loggerDict):
+    if name.startswith("torch.distributed"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+try:
+    main(sys.argv[1:])
+except ChildFailedError as e:
+    rank, failure = e.get_first_failure()
+    if failure.exitcode != 1:
+        print(f"error: rank {rank} failed first: {failure.message}", file=sys.stderr)
+    sys.exit(1)
+'
+
 run_torchrun() {
   local script=$1; shift
   local nproc=${NPROC_PER_NODE:-}
   if [ -z "$nproc" ]; then
     nproc=$("$PY" -c "import torch; print(torch.cuda.device_count() or 2)")
   fi
-  .venv/bin/torchrun --nnodes="${NNODES:-1}" --node_rank="${NODE_RANK:-0}" \
+  # A quiet console: OMP_NUM_THREADS=1 per process is torchrun's own default (set here, torchrun
+  # does not print its banner about it); torch's C++ warnings read their level before any Python
+  # runs, so it is set here too. Both are yours to override.
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
+  "$PY" -c "$QUIET_TORCHRUN" --nnodes="${NNODES:-1}" --node_rank="${NODE_RANK:-0}" \
     --rdzv_backend=c10d --rdzv_endpoint="${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" \
     --nproc_per_node="$nproc" --max-restarts="${MAX_RESTARTS:-0}" "$script" "$@" &
   local pid=$! rc=0

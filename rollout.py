@@ -101,6 +101,7 @@ class VLLMEngine:
             # The model folder's generation_config is not read: its sampling defaults (and a
             # max_new_tokens there) never apply; every setting comes from `generate`'s arguments.
             generation_config="vllm",
+            use_tqdm_on_load=False,  # a local folder loads in moments: no bar per rank and load
         )
         if self.gpu:
             kwargs["dtype"] = "bfloat16"

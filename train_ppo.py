@@ -146,6 +146,9 @@ class Args:
     tensorboard: bool = False
     """also write TensorBoard event files to <out_dir>/tensorboard/ (needs `pip install
     tensorboard`)"""
+    verbose: bool = False
+    """also print what vLLM, transformers and torch log below errors, their warnings and their
+    loading bars (off: the run's own lines, its progress bar and errors only)"""
     stop_at_step: int = 0
     """save and exit after this iteration, as a preempted run would (for testing resume); 0:
     never"""
@@ -992,8 +995,7 @@ def main(args):
             break
     pbar.close()
 
-    if step == args.max_steps and final and rank == 0:  # the final actor as an HF folder
-        checkpoint.export(final, os.path.join(args.out_dir, "hf"), "actor")
+    common.finish(args, step, final, "actor")  # the final actor as an HF folder; a summary
     # Every rank is done before the engine shuts down: vLLM's shutdown ends the process group.
     dist.barrier()
     engine.close()

@@ -84,6 +84,9 @@ class Args:
     tensorboard: bool = False
     """also write TensorBoard event files to <out_dir>/tensorboard/ (needs `pip install
     tensorboard`)"""
+    verbose: bool = False
+    """also print what vLLM, transformers and torch log below errors, their warnings and their
+    loading bars (off: the run's own lines, its progress bar and errors only)"""
     stop_at_step: int = 0
     """save and exit after this step, as a preempted run would (for testing resume); 0: never"""
 
@@ -314,9 +317,7 @@ def main(args):
             break
     pbar.close()
 
-    if step == args.max_steps and final and rank == 0:
-        # the final checkpoint, as an HF folder for PPO, vLLM and transformers
-        checkpoint.export(final, os.path.join(args.out_dir, "hf"))
+    common.finish(args, step, final)  # the export for PPO, vLLM and transformers; a summary
     dist.barrier()  # nobody tears the group down while rank 0 is still writing
     dist.destroy_process_group()
 

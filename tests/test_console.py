@@ -1,0 +1,55 @@
+"""A quiet console: a run through `launch.sh` prints its progress bar, its evaluation lines, a
+summary, and nothing of vLLM's, transformers' or torch's (`common.quiet_console`). One demo used to
+print 667 lines, 243 of them third-party WARNINGs, a vLLM traceback and a load report per model."""
+
+import os
+import subprocess
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+CHATTER = ("WARNING", "Warning", "INFO", "Traceback", "LOAD REPORT", "Loading weights")
+
+
+def launch(*args):
+    """./launch.sh args, stdout and stderr together: (status, the lines a terminal keeps). Bytes,
+    not text: text mode would read each "\r" of a progress bar's redraws as a new line."""
+    cmd = [os.path.join(REPO, "launch.sh"), *map(str, args)]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600, cwd=REPO)
+    lines = [line for line in p.stdout.decode().split("\n") if line.strip()]
+    return p.returncode, lines
+
+
+def assert_quiet(lines, most):
+    text = "\n".join(lines)
+    assert len(lines) <= most, text
+    assert not [word for word in CHATTER if word in text], text
+
+
+def test_a_short_sft_and_ppo_print_their_own_lines_only(tmp_path):
+    sft = tmp_path / "sft"
+    args = ("--out_dir", sft, "--max_steps", 10, "--eval_every", 5, "--eval_samples", 8)
+    status, lines = launch("sft", *args, "--train_batch_size", 16, "--micro_batch_size", 8)
+    assert status == 0, "\n".join(lines)
+    # the bar (drawn around the evaluation lines), step 5 and step 10, the summary
+    assert_quiet(lines, 6)
+    assert lines[-1].startswith("done: 10 steps"), lines
+    args = ("--model", sft / "hf", "--out_dir", tmp_path / "ppo", "--rollout_engine", "vllm")
+    args += ("--rollout_batch_size", 8, "--n_samples_per_prompt", 2, "--train_batch_size", 16)
+    args += ("--micro_batch_size", 8, "--max_steps", 2, "--eval_every", 1, "--eval_samples", 8)
+    status, lines = launch("ppo", *args)
+    assert status == 0, "\n".join(lines)
+    assert_quiet(lines, 7)  # the bar, steps 0, 1 and 2, the summary
+    assert lines[-1].startswith("done: 2 steps"), lines
+
+
+def test_errors_of_two_ranks_are_two_lines(tmp_path):
+    """Both ranks refuse the file: one line each, not glued together, and none of torchrun's
+    traceback and failure table."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "response": "2"}\n{"prompt": 3}\n')
+    status, lines = launch("sft", "--out_dir", tmp_path / "out", "--data", bad)
+    assert status == 1
+    assert lines == [f"error: {bad}:2: expected a string field 'prompt'"] * 2, lines
