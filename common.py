@@ -264,6 +264,25 @@ def load_jsonl(path, fields):
     return rows
 
 
+@functools.cache
+def longest_token(tok):
+    """The most characters one token of `tok` can stand for: its longest vocabulary entry (a
+    byte-level entry spells each byte as one character, so it covers at most that many)."""
+    return max(len(entry) for entry in tok.get_vocab())
+
+
+def check_fits(tok, text, max_tokens, where):
+    """Refuse a text that cannot fit in max_tokens, before tokenising it: it needs at least
+    len(text) / longest_token(tok) tokens. A 20 MB prompt took 59 s and 8.4 GB to tokenise on
+    each rank before its length was checked."""
+    most = max_tokens * longest_token(tok)
+    if len(text) > most:
+        raise SystemExit(
+            f"error: {where}: {len(text)} characters, more than {max_tokens} tokens can hold "
+            f"(at most {most} with this tokenizer)"
+        )
+
+
 def encode_prompt(tok, prompt):
     """Token ids of a prompt: the chat template's user turn when the tokenizer has one."""
     if tok.chat_template:

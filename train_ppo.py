@@ -477,6 +477,7 @@ def load_prompts(rows, tok, max_new_tokens, context, source):
     """[(prompt token ids, prompt text)]; a prompt with no room for a response is an error."""
     items = []
     for i, row in enumerate(rows):
+        common.check_fits(tok, row["prompt"], context - max_new_tokens, f"{source}:{i + 1}")
         ids = common.encode_prompt(tok, row["prompt"])
         if len(ids) + max_new_tokens > context:
             raise SystemExit(

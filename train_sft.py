@@ -114,6 +114,7 @@ LIMITS = {
 def encode(tok, example, max_len, where):
     """(input_ids, n_prompt): the prompt's tokens, then the response and EOS, which the loss is
     taken on. `where` names the example in the error if it does not fit the context."""
+    common.check_fits(tok, example["prompt"] + example["response"], max_len, where)
     prompt = common.encode_prompt(tok, example["prompt"])
     response = tok(example["response"], add_special_tokens=False).input_ids + [tok.eos_token_id]
     length = len(prompt) + len(response)

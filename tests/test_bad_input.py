@@ -204,3 +204,14 @@ def test_eval_set_smaller_than_the_world_size(tmp_path):
     run("train_ppo.py", *args, "--micro_batch_size", 4, "--eval_samples", 1)
     accuracies = [row["eval/accuracy"] for row in metrics(ppo)]
     assert len(accuracies) == 2 and all(math.isfinite(a) for a in accuracies), accuracies
+
+
+def test_a_20_mb_prompt_is_refused_before_it_is_tokenised(tmp_path):
+    """It took 59 s and 8.4 GB per rank to tokenise before the length check said no; now the
+    character count alone refuses it (`common.check_fits`): the message counts characters."""
+    huge = json.dumps({"prompt": "1+" * 10_000_000, "response": "2"})
+    (tmp_path / "huge.jsonl").write_text(json.dumps({"prompt": "1+1=", "response": "2"}) + "\n")
+    with open(tmp_path / "huge.jsonl", "a") as f:
+        f.write(huge + "\n")
+    p = run_py("train_sft.py", "--out_dir", tmp_path / "out", "--data", tmp_path / "huge.jsonl")
+    assert_one_line_error(p, "huge.jsonl:2: 20000001 characters", "more than 64 tokens can hold")
