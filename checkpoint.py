@@ -492,6 +492,8 @@ def export(path, out, role=None):
     state = {role: {"model": model.state_dict()}}
     dcp_load(state, os.path.join(path, "dcp"), no_dist=True)  # fills the model's tensors in place
     model.generation_config = GenerationConfig.from_pretrained(hf)
+    # save_pretrained only logs an error and returns when `out` is a file: raise here instead
+    os.makedirs(out, exist_ok=True)
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(hf).save_pretrained(out)
 

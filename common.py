@@ -248,7 +248,11 @@ def load_jsonl(path, fields):
     if not os.path.isfile(path):
         raise SystemExit(f"error: {path}: no such file")
     rows = []
-    for n, line in enumerate(open(path), 1):
+    for n, raw in enumerate(open(path, "rb"), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise SystemExit(f"error: {path}:{n}: not valid UTF-8 (byte {e.start} of the line)")
         if not line.strip():
             continue
         try:
@@ -513,17 +517,29 @@ def print_error(line):
 
 
 def finish(args, step, final, role=None):
-    """Rank 0, at the end of a run: export the final checkpoint `final` (the `role` model) as an HF
-    folder for the next stage, vLLM and transformers, and print one summary line."""
-    if dist.get_rank() != 0:
-        return
-    if step == args.max_steps and final:
-        hf = os.path.join(args.out_dir, "hf")
-        checkpoint.export(final, hf, role)
-        print(f"done: {step} steps; checkpoint {final}; model {hf}", flush=True)
-        return
-    latest = os.path.join(args.out_dir, "checkpoints", "latest")
-    print(f"stopped at step {step} of {args.max_steps}; checkpoint named in {latest}", flush=True)
+    """Collective, at the end of a run: rank 0 exports the final checkpoint `final` (the `role`
+    model) as an HF folder for the next stage, vLLM and transformers, and prints one summary
+    line. A failed export ends every rank (rank 0 with the line saying why)."""
+    hf = os.path.join(args.out_dir, "hf")
+    error = None
+    if dist.get_rank() == 0 and step == args.max_steps and final:
+        try:
+            checkpoint.export(final, hf, role)
+        except (OSError, RuntimeError) as e:  # a full disk, a removed folder, ...
+            error = (
+                f"error: export of {final} to {hf} failed ({str(e).splitlines()[0]}); the "
+                f"checkpoint is committed: export it again with python checkpoint.py export "
+                f"{final} {hf}"
+            )
+    outcome = [error]
+    # Every rank ends the same way: none left waiting in a collective for a rank 0 that has failed.
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] and dist.get_rank() == 0:
+        raise SystemExit(outcome[0])
+    if outcome[0]:
+        raise SystemExit(1)  # rank 0 says why
+    if step == args.max_steps and final:  # (a run stopped early said so in `end_of_step`)
+        print0(f"done: {step} steps; checkpoint {final}; model {hf}")
 
 
 def run(main, cls, limits):
@@ -544,6 +560,10 @@ def run(main, cls, limits):
         line = e.code
     except checkpoint.CheckpointError as e:
         line = f"error: {e}"
+    except OSError as e:  # the run's folder read-only, removed, full: the file and the reason
+        line = f"error: {e.filename}: {e.strerror}"
+        if e.filename is None:
+            line = f"error: {e}"
     except (RuntimeError, dist.DistError) as e:
         line = collective_failure(e)
         if line is None:

@@ -215,3 +215,41 @@ def test_a_20_mb_prompt_is_refused_before_it_is_tokenised(tmp_path):
         f.write(huge + "\n")
     p = run_py("train_sft.py", "--out_dir", tmp_path / "out", "--data", tmp_path / "huge.jsonl")
     assert_one_line_error(p, "huge.jsonl:2: 20000001 characters", "more than 64 tokens can hold")
+
+
+def test_invalid_utf8_in_data(tmp_path):
+    (tmp_path / "bad.jsonl").write_bytes(
+        b'{"prompt": "1+1=", "response": "2"}\n{"prompt": "\xff"}\n'
+    )
+    p = run_py("train_sft.py", "--out_dir", tmp_path / "out", "--data", tmp_path / "bad.jsonl")
+    assert_one_line_error(p, "bad.jsonl:2: not valid UTF-8")
+
+
+def test_an_out_dir_that_cannot_be_made(tmp_path):
+    """An OSError from the run's folder (read-only, removed, not a folder) is one line naming the
+    path, not a traceback."""
+    (tmp_path / "file").write_text("")
+    p = run_py("train_sft.py", "--out_dir", tmp_path / "file" / "out", "--max_steps", 1)
+    assert_one_line_error(p, str(tmp_path / "file" / "out"), "Not a directory")
+
+
+@pytest.mark.slow
+def test_a_failed_final_export_keeps_the_checkpoint_and_says_how_to_redo_it(tmp_path):
+    """Where the export cannot be written (here `hf` is a file; a full disk alike), the run ends
+    with one line, the final checkpoint committed and verified, and the command that exports it."""
+    from conftest import latest
+    from conftest import run
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "hf").write_text("in the way")
+    args = ("--out_dir", out, "--max_steps", 2, "--train_batch_size", 8, "--micro_batch_size", 4)
+    p = run("train_sft.py", *args, check=False)
+    assert p.returncode != 0
+    assert "[rank0]: Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "[rank1]" not in p.stderr, p.stderr[-3000:]  # rank 1 exits quietly: rank 0 says why
+    final = latest(str(out))
+    assert final.endswith("step-00000002")
+    assert f"error: export of {final} to {out / 'hf'} failed" in p.stderr, p.stderr[-3000:]
+    assert f"python checkpoint.py export {final} {out / 'hf'}" in p.stderr
+    assert run_py("checkpoint.py", "verify", final).returncode == 0
