@@ -261,8 +261,9 @@ def main(args):
         meta = checkpoint.load(final, roles, vars(args), must_match)
         sched.load_state_dict(meta["scheduler"])
         start = meta["step"]
-        metrics_log.truncate(start)
         common.print0(f"resumed from {final} at step {start}")
+    # the rows a killed run logged after the checkpoint go (all of them on a fresh start)
+    metrics_log.truncate(start if final else None)
 
     step = start
     pbar = tqdm(total=args.max_steps, initial=start, disable=rank != 0, desc="sft")

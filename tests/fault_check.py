@@ -32,6 +32,7 @@ def main(out):
         (model.config, AutoTokenizer.from_pretrained(task.TINY_MODEL), model.generation_config),
     )
     root = os.path.join(out, "checkpoints")
+    assert checkpoint.resolve(out, "") == ""  # the run starts: its lock and id, nothing to resume
 
     def latest():
         return open(os.path.join(root, "latest")).read().strip()
