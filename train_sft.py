@@ -47,8 +47,8 @@ class Args:
     keep_last: int = 2
     """keep this many checkpoints; older ones are pruned after a new one is committed"""
     resume: str = ""
-    """'latest' (newest checkpoint in out_dir that verifies) or a checkpoint path; empty: start
-    fresh"""
+    """'latest' (newest checkpoint in out_dir that verifies; none yet: start fresh; none
+    verifies: stop, changing nothing) or a checkpoint path; empty: start fresh"""
     seed: int = 42
     """seeds the data order and every RNG"""
     train_batch_size: int = 64
