@@ -14,6 +14,7 @@ import pytest
 from test_bad_input import assert_one_line_error
 from test_sft_resume import Payload
 
+import task
 from conftest import PY
 from conftest import REPO
 from conftest import TORCHRUN
@@ -83,18 +84,35 @@ class EvilConfig(LlamaConfig):
 """
 
 
-def test_export_runs_no_code_from_the_checkpoint(copy, tmp_path):
-    """hf/config.json names a model type transformers does not know and an auto_map to a .py file
-    beside it; transformers would ask "run the custom code? [y/N]" and a 'y' would run it. Here
-    it must neither ask (stdin answers y) nor run it: one line, and no marker file."""
-    ckpt = latest(copy)
-    marker = tmp_path / "pwned"
-    hf = os.path.join(ckpt, "hf")
-    open(os.path.join(hf, "evil.py"), "w").write(EVIL.format(marker=str(marker)))
-    config = json.load(open(os.path.join(hf, "config.json")))
+def plant_auto_map(folder, marker):
+    """evil.py beside config.json, which names a model type transformers does not know and an
+    auto_map to it: transformers would ask "run the custom code? [y/N]", and a 'y' runs it."""
+    open(os.path.join(folder, "evil.py"), "w").write(EVIL.format(marker=str(marker)))
+    config = json.load(open(os.path.join(folder, "config.json")))
     config["model_type"] = "evil-llama"
     config["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.Evil"}
-    json.dump(config, open(os.path.join(hf, "config.json"), "w"))
+    json.dump(config, open(os.path.join(folder, "config.json"), "w"))
+
+
+def test_a_model_folder_runs_no_code_either(tmp_path):
+    """--model: the same auto_map in a model folder; stdin answers y to any prompt."""
+    task.ensure_tiny_model()
+    model = tmp_path / "model"
+    shutil.copytree(task.TINY_MODEL, model)
+    marker = tmp_path / "pwned"
+    plant_auto_map(model, marker)
+    cmd = [PY, "train_sft.py", "--model", str(model), "--out_dir", str(tmp_path / "out")]
+    p = subprocess.run(cmd, input="y\n" * 5, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert not marker.exists(), "the model folder's code ran"
+    assert_one_line_error(p, f"--model {model}: cannot load")
+
+
+def test_export_runs_no_code_from_the_checkpoint(copy, tmp_path):
+    """The checkpoint's hf/ with a planted auto_map: export must neither ask (stdin answers y) nor
+    run it: one line, and no marker file."""
+    ckpt = latest(copy)
+    marker = tmp_path / "pwned"
+    plant_auto_map(os.path.join(ckpt, "hf"), marker)
     rewrite_manifest(ckpt)
     cmd = [PY, "checkpoint.py", "export", ckpt, str(tmp_path / "export")]
     p = subprocess.run(cmd, input="y\n" * 5, capture_output=True, text=True, cwd=REPO, timeout=120)
