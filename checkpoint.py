@@ -7,23 +7,31 @@ folder `step-N/` and os.replace()s `latest`. A kill or a failed write at any mom
 previous checkpoint latest. Resume verifies the manifest first and falls back to an older
 checkpoint.
 
-Safety: DCP's own loader unpickles `.metadata` with a plain `pickle.load` and byte entries with
-`torch.load(weights_only=False)`; `dcp_load` closes both holes (allow-listing unpickler,
-weights-only bytes), so loading a checkpoint never runs code from it.
+Safety (README, "Checkpoints": the threat model): DCP's own loader unpickles `.metadata` with a
+plain `pickle.load` and byte entries with `torch.load(weights_only=False)`; `dcp_load` closes both
+holes (allow-listing unpickler, weights-only bytes) and checks that every storage entry names a byte
+range of a regular file inside the checkpoint, so loading a checkpoint never runs code from it nor
+reads outside it. Every file opened under a checkpoint or run folder is a regular file reached
+without following a symlink (`open_regular`); `verify` reads only those, no further than the
+manifest says. A run holds a lock on its --out_dir (`resolve`), so two runs never share one.
 
     python checkpoint.py verify CKPT [CKPT...]
     python checkpoint.py export CKPT OUT [--role actor|critic]   # HF folder: transformers, vLLM
 """
 
 import base64
+import dataclasses
+import fcntl
 import hashlib
 import json
 import os
 import pickle
 import random
 import shutil
+import stat
 import sys
 import time
+import uuid
 import warnings
 
 import numpy as np
@@ -33,6 +41,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -63,7 +73,16 @@ ALLOWED_GLOBALS = {
 }
 
 
-class _SafeUnpickler(pickle.Unpickler):
+# The largest step or size a checkpoint may claim: the largest integer a JSON reader holds exactly.
+MAX_COUNT = 2**53 - 1
+
+
+class _SafeUnpickler(pickle._Unpickler):
+    """Only the allow-listed classes, and BUILD only as DCP's own pickles use it. The pure-Python
+    unpickler (pickle._Unpickler): its opcode table can be overridden, the C one's cannot."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def find_class(self, module, name):
         allowed = name in ALLOWED_GLOBALS.get(module, ())
         is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
@@ -71,11 +90,85 @@ class _SafeUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         raise CheckpointError(f"refusing to unpickle {module}.{name}: not a DCP metadata class")
 
+    def load_build(self):
+        _check_build(self.stack[-2], self.stack[-1])
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+def _check_build(obj, state):
+    """BUILD sets attributes on an object: here only the dataclass fields of an allow-listed DCP
+    class (TensorProperties: the 5-tuple its own __setstate__ takes). Anything else is refused."""
+    cls = type(obj)
+    ok = False
+    allowed = cls.__qualname__ in ALLOWED_GLOBALS.get(cls.__module__, ())
+    if allowed and dataclasses.is_dataclass(cls):
+        fields = [f.name for f in dataclasses.fields(cls)]
+        if "__setstate__" in vars(cls):
+            ok = type(state) is tuple and len(state) == len(fields)
+        else:
+            ok = type(state) is dict and all(k in fields for k in state)
+    if not ok:
+        raise CheckpointError(
+            f"refusing to unpickle: BUILD sets {type(state).__name__} state on {cls.__name__}, "
+            "which DCP's metadata never does"
+        )
+
 
 class _SafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args, **kwargs):  # FileSystemReader's own is a plain pickle.load
-        with open(os.path.join(self.path, ".metadata"), "rb") as f:
-            return _SafeUnpickler(f).load()
+        if getattr(self, "metadata", None) is None:  # read once: dcp_load reads it first
+            path = os.path.join(self.path, ".metadata")
+            with open_regular(path, "rb") as f:
+                metadata = _SafeUnpickler(f).load()
+            _check_storage(metadata, self.path)
+            self.metadata = metadata
+        return self.metadata
+
+
+def _check_storage(metadata, folder):
+    """Before DCP reads anything: every storage entry names a regular file right in `folder` (the
+    only place DCP writes them: no `..`, no absolute path, no symlink) and a byte range within that
+    file's real size. Otherwise a crafted .metadata reads other files, or /dev/zero for ever."""
+    where = os.path.join(folder, ".metadata")
+    if type(metadata) is not Metadata or type(metadata.storage_data) is not dict:
+        raise CheckpointError(f"{where}: not DCP metadata")
+    sizes = {}
+    for index, info in metadata.storage_data.items():
+        name = getattr(info, "relative_path", None)
+        if type(info) is not _StorageInfo or info.transform_descriptors or type(name) is not str:
+            raise CheckpointError(f"{where}: storage entry {index!r} is not a plain file range")
+        if name not in sizes:
+            sizes[name] = _storage_size(folder, name, where)
+        offset = info.offset
+        length = info.length
+        fits = _is_count(offset) and _is_count(length) and offset + length <= sizes[name]
+        if not fits:
+            fqn = getattr(index, "fqn", index)
+            raise CheckpointError(
+                f"{where}: storage entry {fqn!r} reads bytes {offset!r}+{length!r} of {name}, "
+                f"which holds {sizes[name]}"
+            )
+
+
+def _storage_size(folder, name, where):
+    """The size of `name`, a regular file right in `folder`; CheckpointError if it is not one."""
+    plain = name not in ("", ".", "..") and os.path.basename(name) == name
+    mode = 0
+    if plain and os.path.lexists(os.path.join(folder, name)):
+        st = os.lstat(os.path.join(folder, name))
+        mode = st.st_mode
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(
+            f"{where}: a storage entry names {name!r}, not a regular file in {folder}"
+        )
+    return st.st_size
+
+
+def _is_count(x):
+    """A whole number a checkpoint may claim: an int (not a bool) in [0, MAX_COUNT]."""
+    return type(x) is int and 0 <= x <= MAX_COUNT
 
 
 class _SafePlanner(DefaultLoadPlanner):
@@ -88,8 +181,13 @@ class _SafePlanner(DefaultLoadPlanner):
 
 
 def dcp_load(state, path, no_dist=False):
-    """dcp.load, minus its two unpickling holes; fills `state` in place."""
-    dcp.load(state, storage_reader=_SafeReader(path), planner=_SafePlanner(), no_dist=no_dist)
+    """dcp.load, minus its two unpickling holes and its reads outside the checkpoint; fills
+    `state` in place."""
+    reader = _SafeReader(path)
+    # A refused .metadata raises here, as itself: inside dcp.load, DCP would log its traceback,
+    # retry it as "rank-local metadata", and wrap the error in a CheckpointException.
+    reader.read_metadata()
+    dcp.load(state, storage_reader=reader, planner=_SafePlanner(), no_dist=no_dist)
 
 
 # ---- what a checkpoint holds ---------------------------------------------------------------------
@@ -107,7 +205,8 @@ def _b64(tensor):
 
 
 def _unb64(text):
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+    data = base64.b64decode(text, validate=True)  # binascii.Error (a ValueError) if it is not
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def rng_state():
@@ -135,29 +234,82 @@ def set_rng_state(state):
         torch.cuda.set_rng_state(_unb64(state["cuda"]))
 
 
-# ---- files on disk -------------------------------------------------------------------------------
+# ---- files on disk: regular files inside their folder, nothing else ------------------------------
+_MODES = {
+    "r": os.O_RDONLY,
+    "rb": os.O_RDONLY,
+    "a": os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+    "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL,  # a new file: never writes through what was there
+}
+
+
+def open_regular(path, mode="r"):
+    """open(path, mode) for a regular file only: a symlink (at the last component) is never
+    followed, and a FIFO or device is refused before it is read (O_NONBLOCK: opening a FIFO does
+    not wait for a writer). Modes: r, rb, a (append or create), x (create; the name must be free).
+    CheckpointError for anything but a regular file; OSError (e.g. FileNotFoundError) as open's."""
+    flags = _MODES[mode] | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if os.path.islink(path):  # O_NOFOLLOW's ELOOP
+            raise CheckpointError(f"{path}: a symlink; files here are never opened through links")
+        raise e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path}: not a regular file (a FIFO, device or socket)")
+    return os.fdopen(fd, mode.replace("x", "w"))
+
+
+def _remove_entry(path):
+    """Remove what is at path, if anything: a folder with its contents, a symlink itself (never
+    its target), a file."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
 def _durable(path, text=None):
-    """Write text (if any) to path, then fsync it: a file's data, or a directory's entries."""
+    """Write text (if any) to the new file path, then fsync it: a file's data, or a directory's
+    entries."""
     if text is not None:
-        with open(path, "w") as f:
+        with open_regular(path, "x") as f:
             f.write(text)
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     os.fsync(fd)
     os.close(fd)
 
 
+def _entries(root):
+    """{relative path: lstat mode} of every entry below root but its real folders, which are
+    walked (os.walk follows no symlink: a symlink to a folder is listed here, as a link)."""
+    found = {}
+    for folder, dirs, names in os.walk(root):
+        for name in dirs + names:
+            path = os.path.join(folder, name)
+            mode = os.lstat(path).st_mode
+            if not stat.S_ISDIR(mode):
+                found[os.path.relpath(path, root)] = mode
+    return found
+
+
+def _sha256(path):
+    """(size, sha256) of the regular file at path."""
+    with open_regular(path, "rb") as f:
+        return os.fstat(f.fileno()).st_size, hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def _manifest_files(root):
-    """{relative path: {size, sha256}} of every file below root but the manifest itself."""
-    paths = []
-    for folder, _, names in os.walk(root):
-        for name in names:
-            if name != "manifest.json":
-                paths.append(os.path.relpath(os.path.join(folder, name), root))
+    """{relative path: {size, sha256}} of every file below root but the manifest itself; a
+    symlink, FIFO or device below root is a CheckpointError."""
     files = {}
-    for rel in sorted(paths):
-        with open(os.path.join(root, rel), "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            files[rel] = {"size": size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+    for rel, mode in sorted(_entries(root).items()):
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(f"{os.path.join(root, rel)}: not a regular file")
+        if rel != "manifest.json":
+            size, digest = _sha256(os.path.join(root, rel))
+            files[rel] = {"size": size, "sha256": digest}
     return files
 
 
@@ -167,66 +319,168 @@ def _step_dirs(root):
     if os.path.isdir(root):
         names = [n for n in os.listdir(root) if n.startswith("step-") and n[5:].isdigit()]
     names.sort(key=_step_of, reverse=True)
-    latest = None
-    pointer = os.path.join(root, "latest")
-    if os.path.isfile(pointer):
-        with open(pointer) as f:
-            latest = f.read().strip()
-    return names, latest
+    return names, _read_latest(root)
+
+
+def _read_latest(root):
+    """The checkpoint name in root/latest; None if there is none, or no sensible one."""
+    try:
+        with open_regular(os.path.join(root, "latest")) as f:
+            name = f.read(64).strip()
+    except (OSError, CheckpointError, ValueError):
+        return None
+    if name.startswith("step-") and name[5:].isdigit():
+        return name
+    return None
 
 
 def _step_of(name):
     return int(name[len("step-") :])
 
 
+# ---- verifying: against damage (the manifest is no signature; README, "Checkpoints") -------------
 def verify(path):
-    """Return the manifest, or raise CheckpointError naming the file that is missing, cut or
-    altered."""
+    """Return the manifest, or raise CheckpointError naming what is missing, cut, altered, not
+    listed, not a regular file, or malformed (meta.json, RNG files). Reads regular files only,
+    each no further than the size the manifest gives it; opens nothing else."""
+    if os.path.islink(path):
+        raise CheckpointError(f"{path}: a symlink, not a checkpoint folder")
     manifest_path = os.path.join(path, "manifest.json")
     try:
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-        expected = manifest["files"].items()
-        actual = _manifest_files(path)
-    except (OSError, ValueError, KeyError, AttributeError) as e:
+        manifest = _read_json(manifest_path)
+    except (OSError, CheckpointError) as e:
         raise CheckpointError(
-            f"{manifest_path}: missing or unreadable "
-            f"(not a checkpoint, or an unfinished one: {e!r})"
+            f"{manifest_path}: missing or unreadable (not a checkpoint, or an unfinished one: {e})"
         )
-    for rel, want in expected:
-        got = actual.get(rel)
-        if got == want:
-            continue
+    _check_manifest(manifest, manifest_path)
+    entries = _entries(path)
+    for rel, mode in sorted(entries.items()):
         where = os.path.join(path, rel)
-        if got is None:
-            raise CheckpointError(f"{where}: missing")
-        if got["size"] != want["size"]:
-            raise CheckpointError(f"{where}: size {got['size']}, manifest says {want['size']}")
-        raise CheckpointError(f"{where}: checksum mismatch")
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(f"{where}: not a regular file (a symlink, FIFO or device)")
+        if rel != "manifest.json" and rel not in manifest["files"]:
+            raise CheckpointError(f"{where}: not listed in the manifest")
+    for rel, want in manifest["files"].items():
+        _check_file(os.path.join(path, rel), want, rel in entries)
+    read_meta(path, manifest["step"])
     return manifest
+
+
+def _read_json(path):
+    """The JSON value in the regular file path; CheckpointError if it is not JSON."""
+    with open_regular(path) as f:
+        try:
+            return json.load(f)
+        except ValueError as e:  # UnicodeDecodeError too
+            raise CheckpointError(f"{path}: malformed, not JSON ({e})")
+
+
+def _check_manifest(manifest, where):
+    files = None
+    if type(manifest) is dict:
+        files = manifest.get("files")
+    ok = type(files) is dict and _is_count(manifest.get("step"))
+    if not ok:
+        files = {}
+    for want in files.values():
+        ok = ok and type(want) is dict and _is_count(want.get("size"))
+        ok = ok and type(want.get("sha256")) is str
+    if not ok:
+        raise CheckpointError(
+            f"{where}: malformed (expected {{'step': N, 'files': {{path: {{'size': N, "
+            "'sha256': hex}}}}"
+        )
+
+
+def _check_file(where, want, listed_entry_exists):
+    """The listed file is there, a regular file of the manifest's size (compared before reading
+    it, so a file never costs more than the manifest says) and checksum."""
+    if not listed_entry_exists:
+        raise CheckpointError(f"{where}: missing")
+    with open_regular(where, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != want["size"]:
+            raise CheckpointError(f"{where}: size {size}, manifest says {want['size']}")
+        if hashlib.file_digest(f, "sha256").hexdigest() != want["sha256"]:
+            raise CheckpointError(f"{where}: checksum mismatch")
+
+
+def read_meta(path, step=None):
+    """meta.json of the checkpoint at path, its header checked (and its step == `step`, if
+    given), and every rank's RNG file readable by set_rng_state: a crafted or malformed one is a
+    damaged checkpoint (CheckpointError), not a traceback halfway through a resume."""
+    where = os.path.join(path, "meta.json")
+    try:
+        meta = _read_json(where)
+    except OSError as e:
+        raise CheckpointError(f"{where}: missing or unreadable ({e.strerror})")
+    if type(meta) is not dict:
+        raise CheckpointError(f"{where}: malformed (expected a JSON object)")
+    roles = meta.get("roles")
+    saved_step = meta.get("step")
+    checks = {
+        "format_version": meta.get("format_version") == FORMAT_VERSION,
+        "step": _is_count(saved_step) and saved_step >= 1 and step in (None, saved_step),
+        "world_size": _is_count(meta.get("world_size")) and meta.get("world_size") >= 1,
+        "roles": type(roles) is list and bool(roles) and all(type(r) is str for r in roles),
+        "args": type(meta.get("args")) is dict,
+    }
+    bad = [k for k, ok in checks.items() if not ok]
+    if bad:
+        shown = ", ".join(f"{k} {meta.get(k)!r}" for k in bad)
+        raise CheckpointError(f"{where}: malformed or from another version: {shown}")
+    for rank in range(meta["world_size"]):
+        rng_path = os.path.join(path, f"rng-rank{rank}.json")
+        try:
+            _check_rng(_read_json(rng_path))
+        except OSError as e:
+            raise CheckpointError(f"{rng_path}: missing or unreadable ({e.strerror})")
+        except (LookupError, TypeError, ValueError, OverflowError, RuntimeError) as e:
+            raise CheckpointError(f"{rng_path}: malformed RNG state ({type(e).__name__}: {e})")
+    return meta
+
+
+def _check_rng(state):
+    """Raises unless set_rng_state takes `state`: tried on throwaway generators, so this process's
+    own RNG streams are not touched."""
+    version, internal, gauss_next = state["python"]
+    random.Random().setstate((version, tuple(internal), gauss_next))
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    keys = np.array(keys, dtype=np.uint32)
+    np.random.RandomState().set_state((name, keys, pos, has_gauss, gauss))
+    torch.Generator().set_state(_unb64(state["torch"]))
+    if state["cuda"] is not None:
+        _unb64(state["cuda"])
 
 
 # ---- saving: write on every rank, agree, then commit on rank 0 -----------------------------------
 _pending = []  # the save in flight: (future or None, root, name, step, keep_last, on_error)
 _last_save = [time.monotonic()]  # when the last save started, for --save_every_minutes
 _async_group = []  # the gloo group DCP's background writes use (made on the first async save)
+_run = {}  # "id": names this run's temp dirs (from resolve); "lock": rank 0's locked file
+
+
+def describe(e):
+    """`type: first line` of an exception; of the first rank's own for DCP's CheckpointException,
+    whose own text is a traceback per rank."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]  # DCP wraps each rank's own exception
+    first_line = (str(e).splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first_line}"
 
 
 def _describe_failure(e, tmp):
     """One line for a failed write: the error, and the free space where it was writing."""
-    if isinstance(e, CheckpointException) and e.failures:
-        e = next(iter(e.failures.values()))[0]  # DCP wraps each rank's own exception
     disk = "."
     for candidate in (os.path.dirname(tmp), os.path.dirname(os.path.dirname(tmp))):
         if os.path.isdir(candidate):
             disk = candidate
             break
     free_mib = shutil.disk_usage(disk).free >> 20
-    first_line = (str(e).splitlines() or [""])[0]
-    return f"rank {dist.get_rank()}: {type(e).__name__}: {first_line} [{free_mib} MiB free]"
+    return f"rank {dist.get_rank()}: {describe(e)} [{free_mib} MiB free]"
 
 
-def _agree(fn, tmp, on_error):
+def _agree(fn, tmp, name, on_error):
     """Collective: run fn on this rank; if it failed on any rank, remove the temp dir and raise on
     all ranks (or, with on_error 'warn', print a warning and return False)."""
     err = None
@@ -240,8 +494,11 @@ def _agree(fn, tmp, on_error):
     if not bad:
         return True
     shutil.rmtree(tmp, ignore_errors=True)
-    step_name = os.path.basename(tmp)[len(".tmp-") :]
-    msg = f"{step_name} not saved ({bad}); the previous checkpoint is intact and latest"
+    previous = _read_latest(os.path.dirname(tmp))
+    kept = "no checkpoint is committed yet"
+    if previous:
+        kept = f"the previous checkpoint, {previous}, is intact and latest"
+    msg = f"{name} not saved ({bad}); {kept}"
     if on_error != "warn":
         raise CheckpointError(msg)
     if dist.get_rank() == 0:
@@ -256,7 +513,7 @@ def save(out_dir, step, roles, meta, hf_objs, keep_last, async_save=False, on_er
     commit()  # one save in flight at a time
     root = os.path.join(out_dir, "checkpoints")
     name = f"step-{step:08d}"
-    tmp = os.path.join(root, f".tmp-{name}")
+    tmp = _tmp_path(root, name)
     _last_save[0] = time.monotonic()
     if async_save and not _async_group:
         # DCP's thread runs collectives of its own: on a group of its own, not the trainer's
@@ -265,7 +522,9 @@ def save(out_dir, step, roles, meta, hf_objs, keep_last, async_save=False, on_er
 
     def write():
         # DCP raises on every rank when it fails on one; the small files can fail on one rank only
-        os.makedirs(tmp, exist_ok=True)  # was empty: resolve() and _agree() remove failed saves
+        os.makedirs(tmp, exist_ok=True)  # every rank: a shared file system, or one per node
+        if os.path.islink(tmp):  # the name is this run's own: nothing else may sit there
+            raise CheckpointError(f"{tmp}: a symlink; refusing to write through it")
         state = _state(roles)
         writer = dcp.FileSystemWriter(os.path.join(tmp, "dcp"))
         if async_save:
@@ -276,7 +535,7 @@ def save(out_dir, step, roles, meta, hf_objs, keep_last, async_save=False, on_er
             dcp.save(state, storage_writer=writer)
         _write_small_files(tmp, step, roles, meta, hf_objs)
 
-    if not _agree(write, tmp, on_error):
+    if not _agree(write, tmp, name, on_error):
         return None
     pending_future = None
     if async_save:
@@ -285,6 +544,14 @@ def save(out_dir, step, roles, meta, hf_objs, keep_last, async_save=False, on_er
     if async_save:
         return None
     return commit()
+
+
+def _tmp_path(root, name):
+    """Where a save writes before it is committed: named per run, so that a second run in the same
+    folder (refused by the lock; or one on another machine) never writes into this one's."""
+    if "id" not in _run:
+        raise RuntimeError("checkpoint.resolve() starts the run (lock, run id) before any save")
+    return os.path.join(root, f".tmp-{name}-{_run['id']}")
 
 
 def _write_small_files(tmp, step, roles, meta, hf_objs):
@@ -309,7 +576,7 @@ def commit():
     if not _pending:  # nothing in flight
         return None
     future, root, name, step, keep_last, on_error = _pending.pop()
-    tmp = os.path.join(root, f".tmp-{name}")
+    tmp = _tmp_path(root, name)
     final = os.path.join(root, name)
 
     def wait_for_writes():
@@ -321,9 +588,9 @@ def commit():
             _publish(tmp, final, root, name, step)
 
     # All ranks' shards written, then rank 0 commits; a failure on any rank stops both.
-    if not _agree(wait_for_writes, tmp, on_error):
+    if not _agree(wait_for_writes, tmp, name, on_error):
         return None
-    if not _agree(publish, tmp, on_error):
+    if not _agree(publish, tmp, name, on_error):
         return None
     if dist.get_rank() == 0:
         _prune(root, step, keep_last)
@@ -337,9 +604,11 @@ def _publish(tmp, final, root, name, step):
     _durable(os.path.join(tmp, "manifest.json"), json.dumps(manifest))
     for folder, _, _ in os.walk(tmp):
         _durable(folder)
-    shutil.rmtree(final, ignore_errors=True)  # a save of this step by a run resumed from before it
+    _remove_entry(final)  # a save of this step by a run resumed from before it
     os.rename(tmp, final)
     _durable(root)  # the rename is on disk before `latest` may point at it
+    # a killed run's latest.tmp: removed (a symlink itself, not its target), never written through
+    _remove_entry(os.path.join(root, "latest.tmp"))
     _durable(os.path.join(root, "latest.tmp"), name + "\n")
     os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))  # atomic
     _durable(root)
@@ -377,67 +646,118 @@ def boundary(step, every, minutes, signalled, device):
 
 # ---- resuming ------------------------------------------------------------------------------------
 def resolve(out_dir, resume):
-    """Collective: the checkpoint to resume from ('' = start fresh); rank 0 picks, all ranks get
-    it."""
-    choice = ["", None]  # [path, error]
+    """Collective, before the run writes anything to out_dir: rank 0 takes the run lock, removes
+    what killed runs left, and picks the checkpoint to resume from ('' = start fresh); every rank
+    gets the pick and the run's id (its temp dirs' names)."""
+    choice = ["", None, None]  # [path, error, run id]
     if dist.get_rank() == 0:
-        choice = _choose(os.path.join(out_dir, "checkpoints"), resume)
-    dist.broadcast_object_list(
-        choice, src=0
-    )  # all ranks load the very same checkpoint, or all fail
+        choice = _start(out_dir, resume)
+    # all ranks load the very same checkpoint and name temp dirs alike, or all fail
+    dist.broadcast_object_list(choice, src=0)
     if choice[1]:
         raise CheckpointError(choice[1])
+    _run["id"] = choice[2]
     return choice[0]
 
 
+# In a run folder: entries that, where present, must be regular files (never written through a
+# symlink), and the folder that must be a folder.
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", os.path.join("checkpoints", "latest"))
+
+
+def _start(out_dir, resume):
+    """Rank 0: [checkpoint path or '', error or None, run id]."""
+    root = os.path.join(out_dir, "checkpoints")
+    try:
+        _lock(out_dir)
+        for rel in RUN_FILES:
+            path = os.path.join(out_dir, rel)
+            if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
+                raise CheckpointError(f"{path}: a symlink or not a regular file; remove it")
+        if os.path.lexists(root) and not stat.S_ISDIR(os.lstat(root).st_mode):
+            raise CheckpointError(f"{root}: a symlink or not a folder; remove it")
+        _remove_stale_temps(root)
+        path, error = _choose(root, resume)
+    except CheckpointError as e:
+        return ["", str(e), None]
+    except OSError as e:
+        return ["", f"{out_dir}: {e.strerror}: {e.filename}", None]
+    return [path, error, uuid.uuid4().hex[:8]]
+
+
+def _lock(out_dir):
+    """Rank 0: hold an exclusive flock on out_dir/.lock until this process ends (the kernel drops
+    it when the process dies, however it dies); CheckpointError if another run holds it."""
+    path = os.path.join(out_dir, ".lock")
+    if _run.get("lock", (None,))[0] == path:  # this process took it already
+        return
+    f = open_regular(path, "a")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise CheckpointError(
+            f"{out_dir}: another run is using this --out_dir (it holds {path}); nothing was "
+            "changed: wait for it to end, or use another --out_dir"
+        )
+    _run["lock"] = (path, f)
+
+
+def _remove_stale_temps(root):
+    """Rank 0, holding the lock: what killed saves left (their runs are gone, or they would hold
+    the lock) is removed; a symlink itself, never its target."""
+    if not os.path.isdir(root):
+        return
+    for name in os.listdir(root):
+        if name.startswith(".tmp-") or name == "latest.tmp":  # never resumed from
+            _remove_entry(os.path.join(root, name))
+
+
 def _choose(root, resume):
-    """Rank 0: [path or '', error or None] for --resume `resume` in the checkpoints folder
+    """Rank 0: (path or '', error or None) for --resume `resume` in the checkpoints folder
     `root`."""
-    if os.path.isdir(root):
-        for name in os.listdir(root):
-            if name.startswith(".tmp-"):  # left by a killed save: never resumed from
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     names, top = _step_dirs(root)
     if resume and resume != "latest":  # --resume PATH: that one, or a clear error
         try:
             verify(resume)
         except CheckpointError as e:
-            return ["", str(e)]
-        return [resume, None]
+            return "", str(e)
+        return resume, None
     if not resume:
         if names:  # a fresh start must not mix its metrics and saves with an earlier run's
             hint = "--resume latest continues it; or use another --out_dir"
-            return ["", f"{root} holds an earlier run's checkpoints: {hint}"]
-        return ["", None]
+            return "", f"{root} holds an earlier run's checkpoints: {hint}"
+        return "", None
     # `latest` first, then older ones; newer ones than `latest` are an abandoned branch
     candidates = names
     if top in names:
         candidates = [top] + [n for n in names if _step_of(n) < _step_of(top)]
+    failed = []
     for name in candidates:
         path = os.path.join(root, name)
         try:
             verify(path)
         except CheckpointError as e:
-            print(
-                f"WARNING: skipping checkpoint {name}: {e}; falling back to an older one",
-                flush=True,
-            )
+            print(f"WARNING: skipping checkpoint {name}: {e}", flush=True)
+            failed.append(f"{name}: {e}")
             continue
-        return [path, None]
-    return ["", None]
+        return path, None
+    if failed:  # starting over would overwrite checkpoints a user may still repair
+        return "", (
+            f"--resume latest: no checkpoint in {root} verifies ({'; '.join(failed)}); nothing "
+            "was loaded or changed: repair one, or start over in another --out_dir"
+        )
+    return "", None
 
 
 def load(path, roles, args, must_match):
     """Collective: every role's model and optimizer in place, then this rank's RNG (so call it
     after anything that draws from the RNG: engines, iterators); returns meta.json."""
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
+    meta = read_meta(path)  # resolve() verified the whole checkpoint already
     diff = []
     for k in must_match:
         if meta["args"].get(k) != args[k]:
             diff.append(f"--{k} {meta['args'].get(k)!r} -> {args[k]!r}")
-    if meta["format_version"] != FORMAT_VERSION:
-        diff.append(f"format_version {meta['format_version']} -> {FORMAT_VERSION}")
     if diff:
         raise CheckpointError(
             f"{path} was saved by a different run; differing settings: {', '.join(diff)}"
@@ -452,8 +772,7 @@ def load(path, roles, args, must_match):
             optim_state_dict=state[role]["optim"],
         )
     rank_file = f"rng-rank{dist.get_rank() % meta['world_size']}.json"
-    with open(os.path.join(path, rank_file)) as f:
-        set_rng_state(json.load(f))
+    set_rng_state(_read_json(os.path.join(path, rank_file)))  # read_meta checked it
     if meta["world_size"] != dist.get_world_size() and dist.get_rank() == 0:
         # exact only at the same world size
         print(
@@ -477,25 +796,32 @@ def export(path, out, role=None):
     from transformers import GenerationConfig
 
     verify(path)
-    with open(os.path.join(path, "meta.json")) as f:
-        roles = json.load(f)["roles"]
+    roles = read_meta(path)["roles"]
     role = role or roles[0]
     if role not in roles:
         raise CheckpointError(f"--role {role}: checkpoint has roles {roles}")
     hf = os.path.join(path, "hf")
-    if role == "critic":  # PPO's value model
-        config = AutoConfig.from_pretrained(hf, num_labels=1)
-        model = AutoModelForTokenClassification.from_config(config)
-    else:
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf))
+    # trust_remote_code=False: an `auto_map` in hf/ never runs a .py file of the checkpoint's, nor
+    # asks whether to (it fails here instead)
+    try:
+        if role == "critic":  # PPO's value model
+            config = AutoConfig.from_pretrained(hf, num_labels=1, trust_remote_code=False)
+            model = AutoModelForTokenClassification.from_config(config, trust_remote_code=False)
+        else:
+            config = AutoConfig.from_pretrained(hf, trust_remote_code=False)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+        tok = AutoTokenizer.from_pretrained(hf, trust_remote_code=False)
+        generation_config = GenerationConfig.from_pretrained(hf)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{hf}: cannot load ({describe(e)})")
     warnings.filterwarnings("ignore", "torch.distributed is disabled")  # no_dist says so: we know
     state = {role: {"model": model.state_dict()}}
     dcp_load(state, os.path.join(path, "dcp"), no_dist=True)  # fills the model's tensors in place
-    model.generation_config = GenerationConfig.from_pretrained(hf)
+    model.generation_config = generation_config
     # save_pretrained only logs an error and returns when `out` is a file: raise here instead
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(hf).save_pretrained(out)
+    tok.save_pretrained(out)
 
 
 USAGE = "usage: python checkpoint.py verify CKPT [CKPT...] | export CKPT OUT [--role NAME]"
@@ -521,3 +847,5 @@ if __name__ == "__main__":
         cli(sys.argv[1:])
     except (CheckpointError, OSError) as err:
         sys.exit(f"error: {err}")
+    except CheckpointException as err:  # DCP's: no Exception, and its text is a traceback
+        sys.exit(f"error: {describe(err)}")

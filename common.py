@@ -200,30 +200,31 @@ def global_max(value, device):
 # ---- the metrics log -----------------------------------------------------------------------------
 class MetricsLog:
     """<out_dir>/metrics.jsonl, one {"step": ..., "<group>/<name>": ...} per line (rank 0 writes);
-    with --tensorboard, the numbers also go to TensorBoard event files in <out_dir>/tensorboard/."""
+    with --tensorboard, the numbers also go to TensorBoard event files in <out_dir>/tensorboard/.
+    Both files are opened as regular files only, never through a symlink (checkpoint.open_regular).
+    """
 
     def __init__(self, out_dir, tensorboard=False):
         self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.samples_path = os.path.join(out_dir, "samples.jsonl")  # train_ppo.py writes it
         self.tensorboard_dir = os.path.join(out_dir, "tensorboard")
         self.tensorboard = tensorboard
         self.writer = None  # the SummaryWriter, made by the first log()
 
     def truncate(self, step):
-        """A resumed run redoes the steps its predecessor logged after the checkpoint: drop them."""
-        if dist.get_rank() != 0 or not os.path.exists(self.path):
+        """Call once checkpoint.resolve() holds the run lock. A resumed run redoes the steps its
+        predecessor logged after the checkpoint, and a fresh start (step None) all of them: drop
+        their rows, from metrics.jsonl and samples.jsonl alike."""
+        if dist.get_rank() != 0:
             return
-        kept = []
-        for line in open(self.path):
-            # A kill can cut the last line short: only whole lines count.
-            if line.endswith("}\n") and json.loads(line)["step"] <= step:
-                kept.append(line)
-        with open(self.path, "w") as f:
-            f.writelines(kept)
+        for path in (self.path, self.samples_path):
+            if os.path.lexists(path):
+                truncate_jsonl(path, step)
 
     def log(self, metrics, step):
         if dist.get_rank() != 0:
             return
-        with open(self.path, "a") as f:
+        with checkpoint.open_regular(self.path, "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.tensorboard:
             self.log_tensorboard(metrics, step)
@@ -240,6 +241,27 @@ class MetricsLog:
             if isinstance(value, (int, float)):  # not e.g. rollout/responses_sha
                 self.writer.add_scalar(name, value, step)
         self.writer.flush()
+
+
+def truncate_jsonl(path, step):
+    """Keep the rows of path whose "step" is at most `step` (None: no row); written anew beside
+    it, then renamed over it, so a kill in between leaves the old file."""
+    kept = []
+    with checkpoint.open_regular(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None  # a kill can cut the last line short: only whole rows count
+            whole = line.endswith("\n") and isinstance(row, dict) and type(row.get("step")) is int
+            if step is not None and whole and row["step"] <= step:
+                kept.append(line)
+    tmp = path + ".tmp"
+    if os.path.lexists(tmp):
+        os.unlink(tmp)  # a killed truncation's (a symlink itself, never its target)
+    with checkpoint.open_regular(tmp, "x") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
 
 
 # ---- data ----------------------------------------------------------------------------------------
@@ -350,7 +372,7 @@ def attention_implementation(path, choice):
     if choice != "auto":
         return choice
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: --model {path}: cannot load ({str(e).splitlines()[0]})")
     if getattr(config, "attn_logit_softcapping", None):
@@ -382,11 +404,12 @@ def load_model_and_tokenizer(path, cls, attn_implementation="auto", **kwargs):
     if path == task.TINY_MODEL:
         task.ensure_tiny_model(path)  # every rank: atomic and deterministic, so no barrier needed
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        # trust_remote_code=False: an `auto_map` in the folder never runs its .py files (nor asks)
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         attention = attention_implementation(path, attn_implementation)
         if attention is not None:
             kwargs["attn_implementation"] = attention
-        model = cls.from_pretrained(path, dtype=torch.float32, **kwargs)
+        model = cls.from_pretrained(path, dtype=torch.float32, trust_remote_code=False, **kwargs)
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: --model {path}: cannot load ({str(e).splitlines()[0]})")
     if tok.eos_token_id is None:
@@ -560,6 +583,8 @@ def run(main, cls, limits):
         line = e.code
     except checkpoint.CheckpointError as e:
         line = f"error: {e}"
+    except checkpoint.CheckpointException as e:  # DCP's: no Exception, its text a traceback
+        line = f"error: {checkpoint.describe(e)}"
     except OSError as e:  # the run's folder read-only, removed, full: the file and the reason
         line = f"error: {e.filename}: {e.strerror}"
         if e.filename is None:

@@ -91,6 +91,7 @@ class VLLMEngine:
             model=model_path,
             max_model_len=max_model_len,
             seed=seed,
+            trust_remote_code=False,  # an auto_map in the model folder runs no code of its own
             # torchrun's RANK/LOCAL_RANK decide the device (cuda:LOCAL_RANK); the default executor
             # would put every rank's engine on device 0. With tensor parallel 1, each rank's
             # engine is independent: vLLM gives it process groups of size 1.
@@ -216,6 +217,7 @@ class HFEngine:
         kwargs = {}
         if attn_implementation is not None:
             kwargs["attn_implementation"] = attn_implementation
+        kwargs["trust_remote_code"] = False  # an auto_map in the folder runs no code of its own
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **kwargs)
         self.model = model.to(device).eval()
         # No sampling defaults from the model folder (repetition penalty, top-k, ...): generate()

@@ -126,7 +126,8 @@ def ensure_tiny_model(path=TINY_MODEL, seed=0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     tmp = f"{weights}.tmp{os.getpid()}"
     save_model(model, tmp, metadata={"format": "pt"})
     os.replace(tmp, weights)  # atomic: concurrent callers each write a full file, one wins

@@ -59,8 +59,8 @@ class Args:
     keep_last: int = 2
     """keep this many checkpoints; older ones are pruned after a new one is committed"""
     resume: str = ""
-    """'latest' (newest checkpoint in out_dir that verifies) or a checkpoint path; empty: start
-    fresh"""
+    """'latest' (newest checkpoint in out_dir that verifies; none yet: start fresh; none
+    verifies: stop, changing nothing) or a checkpoint path; empty: start fresh"""
     seed: int = 42
     """seeds prompt order, sampling and every RNG"""
     rollout_batch_size: int = 64
@@ -844,7 +844,7 @@ def iteration_metrics(update_stats, rollout_stats, device):
 
 def write_samples(out_dir, step, prompts, raw_scores, gen, tok, n):
     """Rank 0: a few (prompt, response, score) rows to read, appended to samples.jsonl."""
-    with open(os.path.join(out_dir, "samples.jsonl"), "a") as f:
+    with checkpoint.open_regular(os.path.join(out_dir, "samples.jsonl"), "a") as f:
         for i in range(min(4, len(raw_scores))):
             row = {
                 "step": step,
@@ -905,10 +905,11 @@ def main(args):
             sched.load_state_dict(meta["scheduler"][name])
         start = meta["step"]
         kl_coef = meta["kl_coef"]
-        metrics_log.truncate(start)
         rollout.sync_weights(engine, models.actor)  # the engine started from --model: resume it
         common.print0(f"resumed from {final} at step {start}")
-    elif held_out:
+    # the rows a killed run logged after the checkpoint go (all of them on a fresh start)
+    metrics_log.truncate(start if final else None)
+    if not final and held_out:
         accuracy = evaluate(args, engine, tok, models, held_out, device)
         common.print0(f"step 0: held-out accuracy {accuracy:.3f}")
         metrics_log.log({"eval/accuracy": accuracy}, 0)

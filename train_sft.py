@@ -47,8 +47,8 @@ class Args:
     keep_last: int = 2
     """keep this many checkpoints; older ones are pruned after a new one is committed"""
     resume: str = ""
-    """'latest' (newest checkpoint in out_dir that verifies) or a checkpoint path; empty: start
-    fresh"""
+    """'latest' (newest checkpoint in out_dir that verifies; none yet: start fresh; none
+    verifies: stop, changing nothing) or a checkpoint path; empty: start fresh"""
     seed: int = 42
     """seeds the data order and every RNG"""
     train_batch_size: int = 64
@@ -282,8 +282,9 @@ def main(args):
         meta = checkpoint.load(final, roles, vars(args), must_match)
         sched.load_state_dict(meta["scheduler"])
         start = meta["step"]
-        metrics_log.truncate(start)
         common.print0(f"resumed from {final} at step {start}")
+    # the rows a killed run logged after the checkpoint go (all of them on a fresh start)
+    metrics_log.truncate(start if final else None)
 
     step = start
     pbar = tqdm(total=args.max_steps, initial=start, disable=rank != 0, desc="sft")

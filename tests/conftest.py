@@ -134,6 +134,19 @@ def rewrite_manifest(ckpt):
     json.dump(m, open(os.path.join(ckpt, "manifest.json"), "w"))
 
 
+def write_small_checkpoint(path):
+    """A checkpoint's files but the DCP state: meta.json, one rank's RNG file, a.bin, sub/b.bin,
+    and the manifest of them."""
+    meta = {"format_version": 1, "step": 1, "world_size": 1, "roles": ["model"], "args": {}}
+    (path / "meta.json").write_text(json.dumps(meta))
+    (path / "rng-rank0.json").write_text(json.dumps(checkpoint.rng_state()))
+    (path / "a.bin").write_bytes(b"hello")
+    (path / "sub").mkdir()
+    (path / "sub" / "b.bin").write_bytes(b"world")
+    files = checkpoint._manifest_files(str(path))
+    (path / "manifest.json").write_text(json.dumps({"step": 1, "files": files}))
+
+
 @pytest.fixture(scope="session")
 def addition_jsonl(tmp_path_factory):
     """A small training file: 64 addition examples, so an epoch is 4 steps of 16."""

@@ -32,19 +32,29 @@ def main(out):
         (model.config, AutoTokenizer.from_pretrained(task.TINY_MODEL), model.generation_config),
     )
     root = os.path.join(out, "checkpoints")
+    assert checkpoint.resolve(out, "") == ""  # the run starts: its lock and id, nothing to resume
 
     def latest():
         return open(os.path.join(root, "latest")).read().strip()
 
+    real = checkpoint.rng_state
+
+    def full():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    # 0. The first save fails on rank 1: the error claims no previous checkpoint.
+    if rank == 1:
+        checkpoint.rng_state = full
+    try:
+        checkpoint.save(args[0], 1, *args[1:], keep_last=0)
+        raise AssertionError("the save did not fail")
+    except checkpoint.CheckpointError as e:
+        assert "no checkpoint is committed yet" in str(e) and "intact" not in str(e), e
+    checkpoint.rng_state = real
     assert checkpoint.save(args[0], 1, *args[1:], keep_last=0).endswith("step-00000001")
 
     # 1. A write that fails on rank 1 only fails the save on both ranks; step 1 stays latest.
-    real = checkpoint.rng_state
     if rank == 1:
-
-        def full():
-            raise OSError(errno.ENOSPC, "No space left on device")
-
         checkpoint.rng_state = full
     try:
         checkpoint.save(args[0], 2, *args[1:], keep_last=0)
@@ -52,7 +62,7 @@ def main(out):
     except checkpoint.CheckpointError as e:
         message = str(e)
         assert "rank 1: OSError" in message and "No space left" in message, e
-        assert "intact and latest" in message, e
+        assert "step-00000001, is intact and latest" in message, e
     # on_error="warn": no raise
     assert checkpoint.save(args[0], 2, *args[1:], keep_last=0, on_error="warn") is None
     checkpoint.rng_state = real

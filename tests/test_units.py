@@ -15,6 +15,7 @@ import common
 import task
 import train_sft
 from conftest import REPO
+from conftest import write_small_checkpoint
 
 
 def test_task_split_is_deterministic_and_disjoint():
@@ -142,11 +143,7 @@ def test_safe_unpickler_refuses_code():
 
 
 def test_verify_names_the_bad_file(tmp_path):
-    (tmp_path / "a.bin").write_bytes(b"hello")
-    (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "b.bin").write_bytes(b"world")
-    files = checkpoint._manifest_files(str(tmp_path))
-    (tmp_path / "manifest.json").write_text(json.dumps({"step": 1, "files": files}))
+    write_small_checkpoint(tmp_path)
     assert checkpoint.verify(str(tmp_path))["step"] == 1
     (tmp_path / "sub" / "b.bin").write_bytes(b"World")
     with pytest.raises(checkpoint.CheckpointError, match=r"sub/b.bin: checksum mismatch"):

@@ -1,0 +1,176 @@
+"""Crafted and damaged checkpoints, in-process (no torchrun): what verification and the safe DCP
+loader refuse, and that they refuse it before reading (issue 12: items 2, 9 and 11)."""
+
+import io
+import json
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+import checkpoint
+from conftest import run_py
+from conftest import write_small_checkpoint
+
+
+def manifest_lists(path, rel, size=10):
+    """Add rel to the manifest by hand (rewrite_manifest refuses what is no regular file)."""
+    m = json.load(open(path / "manifest.json"))
+    m["files"][rel] = {"size": size, "sha256": "0" * 64}
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+def assert_cli_refuses(path, *needles):
+    """`checkpoint.py verify` ends in one line naming the problem, within the timeout (a read of
+    /dev/zero or a FIFO would hang it)."""
+    p = run_py("checkpoint.py", "verify", path, timeout=60)
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(n in lines[0] for n in needles), p.stderr[-2000:]
+
+
+def test_a_listed_symlink_to_dev_zero_fails_verification(tmp_path):
+    write_small_checkpoint(tmp_path)
+    os.symlink("/dev/zero", tmp_path / "sub" / "zero.bin")
+    manifest_lists(tmp_path, "sub/zero.bin", size=3 << 30)
+    assert_cli_refuses(tmp_path, "sub/zero.bin: not a regular file")
+
+
+@pytest.mark.parametrize("listed", [True, False], ids=["listed", "unlisted"])
+def test_a_fifo_fails_verification_without_hanging(tmp_path, listed):
+    write_small_checkpoint(tmp_path)
+    os.mkfifo(tmp_path / "sub" / "fifo")
+    if listed:
+        manifest_lists(tmp_path, "sub/fifo")
+    assert_cli_refuses(tmp_path, "sub/fifo: not a regular file")
+
+
+def test_unlisted_files_and_symlinked_folders_fail_verification(tmp_path):
+    write_small_checkpoint(tmp_path)
+    (tmp_path / "sub" / "extra.py").write_text("print('hi')\n")
+    with pytest.raises(checkpoint.CheckpointError, match="extra.py: not listed in the manifest"):
+        checkpoint.verify(str(tmp_path))
+    os.unlink(tmp_path / "sub" / "extra.py")
+    os.symlink("/etc", tmp_path / "etc")
+    with pytest.raises(checkpoint.CheckpointError, match="etc: not a regular file"):
+        checkpoint.verify(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "manifest",
+    ['["files"]', '{"step": 1, "files": "x"}', '{"step": -1, "files": {}}', "{", "\xff"],
+    ids=["list", "files-str", "step-negative", "cut", "not-utf8"],
+)
+def test_a_malformed_manifest_is_one_line(tmp_path, manifest):
+    write_small_checkpoint(tmp_path)
+    (tmp_path / "manifest.json").write_bytes(manifest.encode("latin-1"))
+    assert_cli_refuses(tmp_path, "manifest.json: ")
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("step", 10**30),
+        ("step", -7),
+        ("step", 2),  # the manifest says 1
+        ("world_size", -1),
+        ("world_size", True),
+        ("roles", []),
+        ("format_version", 99),
+    ],
+)
+def test_a_crafted_meta_json_is_a_damaged_checkpoint(tmp_path, field, value):
+    write_small_checkpoint(tmp_path)
+    meta = json.load(open(tmp_path / "meta.json"))
+    meta[field] = value
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    os.unlink(tmp_path / "manifest.json")
+    files = checkpoint._manifest_files(str(tmp_path))
+    (tmp_path / "manifest.json").write_text(json.dumps({"step": 1, "files": files}))
+    assert_cli_refuses(tmp_path, "meta.json: malformed", field)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda s: s.update(torch="!!"),
+        lambda s: s.update(numpy=["MT19937", [-1] * 624, 0, 0, 0.0]),
+        lambda s: s.pop("python"),
+    ],
+    ids=["torch-not-base64", "numpy-negative-keys", "python-missing"],
+)
+def test_a_malformed_rng_file_is_one_line(tmp_path, edit):
+    write_small_checkpoint(tmp_path)
+    state = json.load(open(tmp_path / "rng-rank0.json"))
+    edit(state)
+    (tmp_path / "rng-rank0.json").write_text(json.dumps(state))
+    os.unlink(tmp_path / "manifest.json")
+    files = checkpoint._manifest_files(str(tmp_path))
+    (tmp_path / "manifest.json").write_text(json.dumps({"step": 1, "files": files}))
+    assert_cli_refuses(tmp_path, "rng-rank0.json: malformed RNG state")
+
+
+def test_build_may_set_only_a_dcp_class_own_fields():
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([4]))
+    assert checkpoint._SafeUnpickler(io.BytesIO(pickle.dumps(chunk))).load() == chunk
+    chunk.__dict__["__class__"] = "x"  # BUILD would set attributes DCP never sets
+    with pytest.raises(checkpoint.CheckpointError, match="BUILD sets dict state"):
+        checkpoint._SafeUnpickler(io.BytesIO(pickle.dumps(chunk))).load()
+
+
+def dcp_folder(tmp_path):
+    """A real one-process DCP checkpoint of one tensor; returns (folder, its metadata)."""
+    folder = tmp_path / "dcp"
+    dcp.save({"t": torch.arange(1000.0)}, checkpoint_id=str(folder), no_dist=True)
+    md = pickle.loads((folder / ".metadata").read_bytes())  # our own file, just written
+    return folder, md
+
+
+def craft(folder, md, **changes):
+    """Point every storage entry elsewhere (changes: relative_path, offset, length)."""
+    for index, info in md.storage_data.items():
+        fields = {**info.__dict__, **changes}
+        md.storage_data[index] = type(info)(**fields)
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def load_t(folder):
+    state = {"t": torch.zeros(1000)}
+    checkpoint.dcp_load(state, str(folder), no_dist=True)
+    return state["t"]
+
+
+def test_the_real_dcp_folder_loads(tmp_path):
+    folder, _ = dcp_folder(tmp_path)
+    assert torch.equal(load_t(folder), torch.arange(1000.0))
+
+
+@pytest.mark.parametrize("where", ["dotdot", "absolute", "symlink"])
+def test_storage_entries_outside_the_checkpoint_are_refused(tmp_path, where):
+    """The marker: a copy of the real shard outside the folder. Loading from it would succeed
+    (that is the attack): the loader must refuse before reading."""
+    folder, md = dcp_folder(tmp_path)
+    shard = next(iter(md.storage_data.values())).relative_path
+    outside = tmp_path / "outside.distcp"
+    shutil.copy(folder / shard, outside)
+    names = {"dotdot": "../outside.distcp", "absolute": str(outside), "symlink": "link.distcp"}
+    os.symlink(outside, folder / "link.distcp")
+    craft(folder, md, relative_path=names[where])
+    with pytest.raises(checkpoint.CheckpointError, match="not a regular file in"):
+        load_t(folder)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"length": 3 << 30}, {"offset": -8}, {"offset": 10**30}, {"length": "big"}],
+    ids=["3GiB", "negative", "huge", "not-a-number"],
+)
+def test_storage_ranges_beyond_the_file_are_refused(tmp_path, changes):
+    folder, md = dcp_folder(tmp_path)
+    craft(folder, md, **changes)
+    with pytest.raises(checkpoint.CheckpointError, match="reads bytes"):
+        load_t(folder)

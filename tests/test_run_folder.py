@@ -1,0 +1,259 @@
+"""Crafted checkpoints and tampered run folders, with the real scripts (2 ranks under torchrun where
+a run is needed; issue 12): no code from a checkpoint runs, nothing outside it is read, two runs
+never share an --out_dir, nothing is written through a symlink, a damaged folder never hangs nor
+starts over."""
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+
+import pytest
+from test_bad_input import assert_one_line_error
+from test_sft_resume import Payload
+
+import task
+from conftest import PY
+from conftest import REPO
+from conftest import TORCHRUN
+from conftest import latest
+from conftest import logged_steps
+from conftest import metrics
+from conftest import rewrite_manifest
+from conftest import run
+from conftest import run_py
+from conftest import wait_for
+from conftest import workers
+
+pytestmark = pytest.mark.slow
+
+
+def sft(out, data, *extra):
+    args = ("--data", data, "--eval_data", data, "--eval_samples", 16, "--train_batch_size", 16)
+    args += ("--micro_batch_size", 4, "--max_steps", 4, "--eval_every", 0, "--save_every", 2)
+    args += ("--keep_last", 0, "--warmup_steps", 2, "--out_dir", out, *extra)
+    return args
+
+
+@pytest.fixture(scope="module")
+def done(tmp_path_factory, addition_jsonl):
+    """A finished 4-step run with checkpoints at steps 2 and 4."""
+    out = str(tmp_path_factory.mktemp("done") / "run")
+    run("train_sft.py", *sft(out, addition_jsonl))
+    return out
+
+
+@pytest.fixture
+def copy(done, tmp_path):
+    out = str(tmp_path / "run")
+    shutil.copytree(done, out, symlinks=True)
+    return out
+
+
+def assert_ranks_error(p, *needles):
+    """Under torchrun: the ranks end in an `error:` line naming the problem, with no traceback of
+    theirs (torchrun then reports the failed exit with a traceback of its own: not counted)."""
+    assert p.returncode != 0
+    lines = p.stderr.splitlines()
+    launcher = [i for i, line in enumerate(lines) if 'torchrun", line' in line]
+    if launcher:
+        lines = lines[: launcher[0] - 1]
+    assert not [line for line in lines if "Traceback" in line], p.stderr[-3000:]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert errors and all(n in errors[0] for n in needles), p.stderr[-3000:]
+
+
+def snapshot(root):
+    """{relative path: bytes} of every file below root (to show nothing was changed)."""
+    found = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            found[os.path.relpath(path, root)] = open(path, "rb").read()
+    return found
+
+
+EVIL = """
+import pathlib
+pathlib.Path({marker!r}).write_text("code from the checkpoint ran")
+from transformers import LlamaConfig
+class EvilConfig(LlamaConfig):
+    model_type = "evil-llama"
+"""
+
+
+def plant_auto_map(folder, marker):
+    """evil.py beside config.json, which names a model type transformers does not know and an
+    auto_map to it: transformers would ask "run the custom code? [y/N]", and a 'y' runs it."""
+    open(os.path.join(folder, "evil.py"), "w").write(EVIL.format(marker=str(marker)))
+    config = json.load(open(os.path.join(folder, "config.json")))
+    config["model_type"] = "evil-llama"
+    config["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.Evil"}
+    json.dump(config, open(os.path.join(folder, "config.json"), "w"))
+
+
+def test_a_model_folder_runs_no_code_either(tmp_path):
+    """--model: the same auto_map in a model folder; stdin answers y to any prompt."""
+    task.ensure_tiny_model()
+    model = tmp_path / "model"
+    shutil.copytree(task.TINY_MODEL, model)
+    marker = tmp_path / "pwned"
+    plant_auto_map(model, marker)
+    cmd = [PY, "train_sft.py", "--model", str(model), "--out_dir", str(tmp_path / "out")]
+    p = subprocess.run(cmd, input="y\n" * 5, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert not marker.exists(), "the model folder's code ran"
+    assert_one_line_error(p, f"--model {model}: cannot load")
+
+
+def test_export_runs_no_code_from_the_checkpoint(copy, tmp_path):
+    """The checkpoint's hf/ with a planted auto_map: export must neither ask (stdin answers y) nor
+    run it: one line, and no marker file."""
+    ckpt = latest(copy)
+    marker = tmp_path / "pwned"
+    plant_auto_map(os.path.join(ckpt, "hf"), marker)
+    rewrite_manifest(ckpt)
+    cmd = [PY, "checkpoint.py", "export", ckpt, str(tmp_path / "export")]
+    p = subprocess.run(cmd, input="y\n" * 5, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert not marker.exists(), "the checkpoint's code ran"
+    assert_one_line_error(p, "hf: cannot load")
+
+
+def test_a_refused_pickle_is_one_line(copy, tmp_path, addition_jsonl):
+    """DCP wraps the refusal in its CheckpointException (no Exception subclass): still one line."""
+    ckpt = latest(copy)
+    marker = tmp_path / "pwned"
+    open(os.path.join(ckpt, "dcp", ".metadata"), "wb").write(pickle.dumps(Payload(marker)))
+    rewrite_manifest(ckpt)
+    p = run_py("checkpoint.py", "export", ckpt, tmp_path / "export")
+    assert_one_line_error(p, "refusing to unpickle posix.system")
+    p = run("train_sft.py", *sft(copy, addition_jsonl, "--resume", "latest"), check=False)
+    assert_ranks_error(p, "refusing to unpickle posix.system")
+    assert not marker.exists()
+
+
+def test_resume_reads_nothing_outside_the_checkpoint(copy, tmp_path, addition_jsonl):
+    """.metadata names a storage file outside the checkpoint: a copy of the real shard (the
+    marker), so that loading it would succeed. The resume must refuse before reading."""
+    ckpt = latest(copy)
+    meta_path = os.path.join(ckpt, "dcp", ".metadata")
+    md = pickle.loads(open(meta_path, "rb").read())  # our own file
+    for index, info in md.storage_data.items():
+        shutil.copy(os.path.join(ckpt, "dcp", info.relative_path), tmp_path / info.relative_path)
+        outside = os.path.join("..", "..", "..", "..", info.relative_path)
+        md.storage_data[index] = type(info)(outside, info.offset, info.length)
+    open(meta_path, "wb").write(pickle.dumps(md))
+    rewrite_manifest(ckpt)
+    p = run("train_sft.py", *sft(copy, addition_jsonl, "--resume", "latest"), check=False)
+    assert_ranks_error(p, "not a regular file in")
+
+
+def test_a_second_run_into_the_same_out_dir_is_refused(tmp_path, addition_jsonl):
+    """While a run trains (saving every step), a second one into its --out_dir exits with one line
+    and touches nothing; the first then stops (SIGUSR1: checkpoint and exit 0), every checkpoint
+    verifies, each step is logged once."""
+    out = str(tmp_path / "run")
+    args = sft(out, addition_jsonl, "--max_steps", 1000, "--save_every", 1, "--resume", "latest")
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", os.path.join(REPO, "train_sft.py")]
+    first = subprocess.Popen(
+        [*cmd, *map(str, args)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    wait_for(lambda: logged_steps(out) >= 1 and len(workers(first.pid)) == 2, first)
+    second = run("train_sft.py", *args, check=False)
+    assert first.poll() is None, "the first run ended before the second was refused"
+    assert_ranks_error(second, f"{out}: another run is using this --out_dir")
+    workers(first.pid)[1].send_signal(signal.SIGUSR1)
+    assert first.wait(timeout=600) == 0
+    k = logged_steps(out)
+    root = os.path.join(out, "checkpoints")
+    steps = sorted(n for n in os.listdir(root) if n.startswith("step-"))
+    assert steps == [f"step-{s:08d}" for s in range(1, k + 1)], os.listdir(root)
+    p = run_py("checkpoint.py", "verify", *[os.path.join(root, s) for s in steps])
+    assert p.returncode == 0, p.stderr
+    assert [r["step"] for r in metrics(out)] == list(range(1, k + 1))
+
+
+def test_resume_latest_with_every_checkpoint_damaged_stops(copy, addition_jsonl):
+    root = os.path.join(copy, "checkpoints")
+    shard = os.path.join(root, "step-00000004", "dcp", "__0_0.distcp")
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 2] ^= 1
+    open(shard, "wb").write(data)
+    open(os.path.join(root, "step-00000002", "rng-rank1.json"), "r+").truncate(10)
+    before = snapshot(copy)
+    p = run("train_sft.py", *sft(copy, addition_jsonl, "--resume", "latest"), check=False)
+    assert_ranks_error(
+        p,
+        "--resume latest: no checkpoint in",
+        "step-00000004: ",
+        "__0_0.distcp: checksum mismatch",
+        "step-00000002: ",
+        "rng-rank1.json: size 10",
+    )
+    assert snapshot(copy) == before  # nothing overwritten, truncated or started
+
+
+@pytest.mark.parametrize("entry", ["metrics.jsonl", os.path.join("checkpoints", "latest")])
+def test_a_symlinked_run_file_is_refused(copy, tmp_path, addition_jsonl, entry):
+    target = tmp_path / "target"
+    path = os.path.join(copy, entry)
+    shutil.copy(path, target)
+    os.unlink(path)
+    os.symlink(target, path)
+    before = target.read_bytes()
+    p = run("train_sft.py", *sft(copy, addition_jsonl, "--resume", "latest"), check=False)
+    assert_ranks_error(p, f"{path}: a symlink or not a regular file")
+    assert target.read_bytes() == before
+
+
+def test_stale_temp_symlinks_are_removed_not_followed(copy, tmp_path, addition_jsonl):
+    """A killed run's latest.tmp and .tmp-step-N, planted as symlinks: the next run removes the
+    links and never writes to their targets."""
+    root = os.path.join(copy, "checkpoints")
+    victim_file = tmp_path / "victim.txt"
+    victim_file.write_text("keep me\n")
+    victim_dir = tmp_path / "victim_dir"
+    victim_dir.mkdir()
+    (victim_dir / "keep").write_text("keep me too\n")
+    os.symlink(victim_file, os.path.join(root, "latest.tmp"))
+    for step in (5, 6):
+        os.symlink(victim_dir, os.path.join(root, f".tmp-step-{step:08d}"))
+    run("train_sft.py", *sft(copy, addition_jsonl, "--resume", "latest", "--max_steps", 6))
+    assert victim_file.read_text() == "keep me\n"
+    assert sorted(os.listdir(victim_dir)) == ["keep"]
+    assert not [n for n in os.listdir(root) if n.startswith(".tmp-") or n == "latest.tmp"]
+    assert latest(copy).endswith("step-00000006")
+
+
+def test_a_fifo_in_the_newest_checkpoint_falls_back_without_hanging(copy, addition_jsonl):
+    os.mkfifo(os.path.join(copy, "checkpoints", "step-00000004", "dcp", "pipe"))
+    p = run("train_sft.py", *sft(copy, addition_jsonl, "--resume", "latest"), timeout=300)
+    log = p.stdout + p.stderr
+    assert "skipping checkpoint step-00000004" in log and "pipe: not a regular file" in log
+    assert "resumed from" in log and "step-00000002 at step 2" in log
+
+
+def test_a_run_killed_before_its_first_save_leaves_no_rows(tmp_path, addition_jsonl):
+    """A dead run's rows (no checkpoint committed) are gone when the next run starts over."""
+    out = tmp_path / "run"
+    out.mkdir()
+    dead = "".join(json.dumps({"step": s, "train/loss": 99.0}) + "\n" for s in (1, 2))
+    (out / "metrics.jsonl").write_text(dead + '{"step": 3, "train/lo')  # cut by the kill
+    (out / "samples.jsonl").write_text(dead)
+    run("train_sft.py", *sft(str(out), addition_jsonl, "--resume", "latest", "--max_steps", 2))
+    rows = metrics(str(out))
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["train/loss"] != 99.0
+    assert (out / "samples.jsonl").read_text() == ""
+
+
+def test_resume_truncates_samples_like_metrics(copy, addition_jsonl):
+    """samples.jsonl (train_ppo.py writes it at evaluations) loses the rows after the checkpoint
+    resumed from, as metrics.jsonl does."""
+    rows = [{"step": s, "prompt": "1+1=", "score": 1.0, "response": "2"} for s in (2, 3, 4)]
+    lines = [json.dumps(r) + "\n" for r in rows]
+    open(os.path.join(copy, "samples.jsonl"), "w").writelines(lines)
+    step2 = os.path.join(copy, "checkpoints", "step-00000002")
+    run("train_sft.py", *sft(copy, addition_jsonl, "--resume", step2))
+    assert open(os.path.join(copy, "samples.jsonl")).readlines() == lines[:1]
+    assert [r["step"] for r in metrics(copy)] == [1, 2, 3, 4]
