@@ -155,11 +155,35 @@ def test_ppo_batch_sizes(tmp_path):
         ("train_ppo.py", "--advantage_estimator", "ppo", "invalid choice: 'ppo'"),
     ],
 )
-def test_flags_out_of_range(tmp_path, script, flag, value, needle):
-    """Checked at parse time (`common.check_limits`), before any model loads."""
+def test_flags_out_of_range(tmp_path, monkeypatch, capsys, script, flag, value, needle):
+    """Checked at parse time (`common.check_limits`), before any model loads. In this process:
+    `common.run` as the script's last line calls it, with the script's Args and LIMITS (the
+    subprocess test below runs two of these through the real command line)."""
+    import importlib
+
+    import common
+
+    stage = importlib.import_module(script.removesuffix(".py"))
+    monkeypatch.setattr("sys.argv", [script, "--out_dir", str(tmp_path), flag, str(value)])
+    with pytest.raises(SystemExit) as exit_info:
+        common.run(lambda args: None, stage.Args, stage.LIMITS)
+    assert exit_info.value.code == 1
+    stderr = capsys.readouterr().err
+    assert stderr.count("\n") == 1 and stderr.startswith("error:"), stderr  # no usage block
+    assert flag in stderr and needle in stderr, stderr
+
+
+@pytest.mark.parametrize(
+    "script,flag,value,needle",
+    [
+        ("train_sft.py", "--lr", "inf", "expected a finite number"),
+        ("train_ppo.py", "--temperature", 0, "expected a number > 0"),
+    ],
+)
+def test_flags_out_of_range_on_the_command_line(tmp_path, script, flag, value, needle):
     p = run_py(script, "--out_dir", tmp_path, flag, value)
     assert_one_line_error(p, flag, needle)
-    assert len(p.stderr.strip().splitlines()) == 1, p.stderr  # no usage block either
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
