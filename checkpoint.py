@@ -24,6 +24,7 @@ import dataclasses
 import fcntl
 import hashlib
 import json
+import math
 import os
 import pickle
 import random
@@ -782,6 +783,34 @@ def load(path, roles, args, must_match):
             flush=True,
         )
     return meta
+
+
+def restore_scheduler(sched, state, where):
+    """A learning-rate scheduler's state from meta.json, checked first. `load_state_dict` copies
+    whatever dict it gets into the scheduler's __dict__, so a crafted meta.json (its manifest
+    rewritten to match) could set any attribute; here the state must have the scheduler's own keys
+    with values of the same kinds (lists of the same length), every number finite."""
+    own = sched.state_dict()
+    if not isinstance(state, dict) or sorted(state) != sorted(own):
+        raise CheckpointError(f"{where}: the scheduler state is not a {type(sched).__name__}'s")
+    for key, value in own.items():
+        if not _same_kind(state[key], value):
+            raise CheckpointError(f"{where}: scheduler field {key!r} is {state[key]!r}")
+    sched.load_state_dict(state)
+
+
+def _same_kind(value, like):
+    """`value` has `like`'s type, and so do its items (a list: as many; a dict: the same keys);
+    numbers finite."""
+    if type(value) is not type(like):
+        return False
+    if isinstance(value, list):
+        return len(value) == len(like) and all(map(_same_kind, value, like))
+    if isinstance(value, dict):  # lr_lambdas: the state of each lambda object, [{}] for functions
+        return sorted(value) == sorted(like) and all(_same_kind(value[k], like[k]) for k in like)
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return True
 
 
 # ---- export: a checkpoint's model as an HF folder ------------------------------------------------

@@ -856,6 +856,22 @@ def write_samples(out_dir, step, prompts, raw_scores, gen, tok, n):
 
 
 # Settings a resumed run must share with its checkpoint (others, like --lr, may change).
+def restore_schedules(meta, scheds, where):
+    """The learning-rate schedulers' states and the KL coefficient from a checkpoint's meta.json,
+    checked: a crafted one gets one line, not a traceback from deep in the scheduler. Returns
+    kl_coef."""
+    states = meta.get("scheduler")
+    if not isinstance(states, dict) or sorted(states) != sorted(scheds):
+        raise checkpoint.CheckpointError(f"{where}: expected scheduler states of {sorted(scheds)}")
+    for name, sched in scheds.items():
+        checkpoint.restore_scheduler(sched, states[name], where)
+    kl_coef = meta.get("kl_coef")
+    is_number = isinstance(kl_coef, (int, float)) and not isinstance(kl_coef, bool)
+    if not is_number or not math.isfinite(kl_coef) or kl_coef < 0:
+        raise checkpoint.CheckpointError(f"{where}: kl_coef {kl_coef!r}, expected a number >= 0")
+    return float(kl_coef)
+
+
 MUST_MATCH = [
     "model",
     "data",
@@ -901,10 +917,8 @@ def main(args):
     final = checkpoint.resolve(args.out_dir, args.resume)
     if final:  # the RNG is restored last, inside load
         meta = checkpoint.load(final, roles, vars(args), MUST_MATCH)
-        for name, sched in scheds.items():
-            sched.load_state_dict(meta["scheduler"][name])
+        kl_coef = restore_schedules(meta, scheds, f"{final}/meta.json")
         start = meta["step"]
-        kl_coef = meta["kl_coef"]
         rollout.sync_weights(engine, models.actor)  # the engine started from --model: resume it
         common.print0(f"resumed from {final} at step {start}")
     # the rows a killed run logged after the checkpoint go (all of them on a fresh start)

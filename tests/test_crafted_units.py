@@ -174,3 +174,59 @@ def test_storage_ranges_beyond_the_file_are_refused(tmp_path, changes):
     craft(folder, md, **changes)
     with pytest.raises(checkpoint.CheckpointError, match="reads bytes"):
         load_t(folder)
+
+
+def scheduler():
+    import torch
+    from transformers import get_cosine_schedule_with_warmup
+
+    optim = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    return get_cosine_schedule_with_warmup(optim, 3, 10)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"base_lrs": ["x"]},
+        {"base_lrs": [0.001, 0.001]},
+        {"last_epoch": 1e30},
+        {"_last_lr": [float("nan")]},
+        {"__class__": "x"},
+        {"lr_lambdas": {"a": 1}},
+    ],
+)
+def test_a_crafted_scheduler_state_is_refused(change):
+    """meta.json's scheduler state went into load_state_dict (a __dict__.update) unchecked: a
+    crafted one crashed mid-run with a traceback, or set any attribute it liked."""
+    sched = scheduler()
+    state = json.loads(json.dumps(sched.state_dict()))
+    with pytest.raises(checkpoint.CheckpointError, match="meta.json"):
+        checkpoint.restore_scheduler(sched, {**state, **change}, "ckpt/meta.json")
+    with pytest.raises(checkpoint.CheckpointError, match="meta.json"):
+        checkpoint.restore_scheduler(sched, [state], "ckpt/meta.json")
+
+
+def test_a_saved_scheduler_state_is_restored():
+    sched = scheduler()
+    for _ in range(4):
+        sched.optimizer.step()
+        sched.step()
+    state = json.loads(json.dumps(sched.state_dict()))  # as meta.json holds it
+    fresh = scheduler()
+    checkpoint.restore_scheduler(fresh, state, "ckpt/meta.json")
+    assert fresh.state_dict() == sched.state_dict()
+    assert fresh.get_last_lr() == sched.get_last_lr()
+
+
+@pytest.mark.parametrize("kl_coef", ["0.1", -1.0, float("inf"), True, None])
+def test_a_crafted_kl_coef_is_refused(kl_coef):
+    import train_ppo
+
+    scheds = {"actor": scheduler()}
+    state = {"actor": json.loads(json.dumps(scheds["actor"].state_dict()))}
+    meta = {"scheduler": state, "kl_coef": kl_coef}
+    with pytest.raises(checkpoint.CheckpointError, match="kl_coef"):
+        train_ppo.restore_schedules(meta, scheds, "ckpt/meta.json")
+    with pytest.raises(checkpoint.CheckpointError, match="scheduler states"):
+        train_ppo.restore_schedules({**meta, "scheduler": {}}, scheds, "ckpt/meta.json")
+    assert train_ppo.restore_schedules({**meta, "kl_coef": 0.05}, scheds, "ckpt/meta.json") == 0.05
