@@ -478,7 +478,11 @@ def _describe_failure(e, tmp):
             disk = candidate
             break
     free_mib = shutil.disk_usage(disk).free >> 20
-    return f"rank {dist.get_rank()}: {describe(e)} [{free_mib} MiB free]"
+    reason = describe(e)
+    if free_mib == 0 and "No space left" not in reason:
+        # torch's zip writer reports a full disk as "unexpected pos 704 vs 598": say it plainly
+        reason = f"no space left on the device ({reason})"
+    return f"rank {dist.get_rank()}: {reason} [{free_mib} MiB free]"
 
 
 def _agree(fn, tmp, name, on_error):
