@@ -12,7 +12,7 @@ Safety: DCP's own loader unpickles `.metadata` with a plain `pickle.load` and by
 weights-only bytes), so loading a checkpoint never runs code from it.
 
     python checkpoint.py verify CKPT [CKPT...]
-    python checkpoint.py export CKPT OUT [--role actor|critic]   # HF folder: transformers, vLLM
+    python checkpoint.py export CKPT OUT [--role actor|critic|reward_model]   # an HF folder
 """
 
 import base64
@@ -469,9 +469,11 @@ def load(path, roles, args, must_match):
 def export(path, out, role=None):
     """A checkpoint's `role` model -> an HF folder (safetensors, config, tokenizer, generation
     config) that transformers and vLLM load: for deployment, or the next stage. One process, DCP's
-    no_dist mode. The critic exports as a token-classification (value) model with one label."""
+    no_dist mode. The critic exports as a token-classification (value) model with one label, the
+    reward model (train_rm.py) as a sequence-classification model with one label."""
     from transformers import AutoConfig
     from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForSequenceClassification
     from transformers import AutoModelForTokenClassification
     from transformers import AutoTokenizer
     from transformers import GenerationConfig
@@ -486,12 +488,16 @@ def export(path, out, role=None):
     if role == "critic":  # PPO's value model
         config = AutoConfig.from_pretrained(hf, num_labels=1)
         model = AutoModelForTokenClassification.from_config(config)
+    elif role == "reward_model":  # train_rm.py's: its config carries reward_mean and reward_std
+        config = AutoConfig.from_pretrained(hf, num_labels=1)
+        model = AutoModelForSequenceClassification.from_config(config)
     else:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf))
     warnings.filterwarnings("ignore", "torch.distributed is disabled")  # no_dist says so: we know
     state = {role: {"model": model.state_dict()}}
     dcp_load(state, os.path.join(path, "dcp"), no_dist=True)  # fills the model's tensors in place
-    model.generation_config = GenerationConfig.from_pretrained(hf)
+    if os.path.exists(os.path.join(hf, "generation_config.json")):  # a reward model has none
+        model.generation_config = GenerationConfig.from_pretrained(hf)
     # save_pretrained only logs an error and returns when `out` is a file: raise here instead
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out)

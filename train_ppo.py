@@ -415,18 +415,6 @@ class Models:
     reward_tokenizer: object = None  # the reward model's own tokenizer
 
 
-def value_head(model):
-    """The one-output head of a token or sequence classifier: `score` on Llama, Qwen, Gemma and
-    Phi, `classifier` on GPT-2's token classifier."""
-    for name in ("score", "classifier"):
-        head = getattr(model, name, None)
-        if isinstance(head, torch.nn.Linear):
-            return head
-    raise SystemExit(
-        f"error: {type(model).__name__} has no `score` or `classifier` head to use as a value head"
-    )
-
-
 def build_models(args, device):
     """(Models, tokenizer, roles = {name: (model, optimizer)} for the trained ones)."""
     attention = args.attn_implementation
@@ -439,7 +427,7 @@ def build_models(args, device):
         critic, _ = common.load_model_and_tokenizer(
             args.model, AutoModelForTokenClassification, attention, num_labels=1
         )
-        head = value_head(critic)
+        head = common.value_head(critic)
         torch.nn.init.zeros_(head.weight)
         if head.bias is not None:
             torch.nn.init.zeros_(head.bias)
@@ -612,7 +600,7 @@ def reward_model_scores(reward_model, sequences, pad_id, micro_batch_size, devic
     def keep(module, inputs, output):
         head_outputs.append(output)  # [b, T, 1]
 
-    hook = value_head(reward_model).register_forward_hook(keep)
+    hook = common.value_head(reward_model).register_forward_hook(keep)
     scores = []
     try:
         for start in range(0, len(sequences), micro_batch_size):

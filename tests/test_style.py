@@ -21,7 +21,15 @@ from conftest import PY
 from conftest import REPO
 
 # The product's files: the rules hold everywhere, the 50-line limit for helpers here.
-PRODUCT = ["common.py", "checkpoint.py", "rollout.py", "task.py", "train_sft.py", "train_ppo.py"]
+PRODUCT = [
+    "common.py",
+    "checkpoint.py",
+    "rollout.py",
+    "task.py",
+    "train_sft.py",
+    "train_rm.py",
+    "train_ppo.py",
+]
 MAX_HELPER_LINES = 50
 # Methods whose call changes something: a comprehension that calls them is a loop in disguise.
 MUTATORS = {
