@@ -459,7 +459,8 @@ def build_models(args, device):
         models.reward_tokenizer = reward_tok
         mean = getattr(reward_model.config, "reward_mean", None)
         std = getattr(reward_model.config, "reward_std", None)
-        if args.reward_norm and mean is not None and std is not None:
+        # a reward model that scores every reference response alike (std 0) has no scale to use
+        if args.reward_norm and mean is not None and std is not None and std > 0:
             models.reward_norm = (mean, std)
     if args.gradient_checkpointing:  # the trained models; the frozen ones keep no activations
         common.checkpoint_activations(actor)
