@@ -16,7 +16,7 @@ without following a symlink (`open_regular`); `verify` reads only those, no furt
 manifest says. A run holds a lock on its --out_dir (`resolve`), so two runs never share one.
 
     python checkpoint.py verify CKPT [CKPT...]
-    python checkpoint.py export CKPT OUT [--role actor|critic]   # HF folder: transformers, vLLM
+    python checkpoint.py export CKPT OUT [--role actor|critic|reward_model]   # an HF folder
 """
 
 import base64
@@ -818,13 +818,31 @@ def _same_kind(value, like):
 
 
 # ---- export: a checkpoint's model as an HF folder ------------------------------------------------
+def _empty_model(hf, role):
+    """The `role` model built from the checkpoint's hf/config.json, its weights not yet loaded:
+    the critic as a token-classification (value) model, the reward model as a
+    sequence-classification model (its config carries reward_mean and reward_std), else a causal
+    LM. Never runs code from the folder."""
+    from transformers import AutoConfig
+    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForTokenClassification
+
+    if role == "critic":  # PPO's value model
+        config = AutoConfig.from_pretrained(hf, num_labels=1, trust_remote_code=False)
+        return AutoModelForTokenClassification.from_config(config, trust_remote_code=False)
+    if role == "reward_model":  # train_rm.py's
+        config = AutoConfig.from_pretrained(hf, num_labels=1, trust_remote_code=False)
+        return AutoModelForSequenceClassification.from_config(config, trust_remote_code=False)
+    config = AutoConfig.from_pretrained(hf, trust_remote_code=False)
+    return AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+
+
 def export(path, out, role=None):
     """A checkpoint's `role` model -> an HF folder (safetensors, config, tokenizer, generation
     config) that transformers and vLLM load: for deployment, or the next stage. One process, DCP's
-    no_dist mode. The critic exports as a token-classification (value) model with one label."""
-    from transformers import AutoConfig
-    from transformers import AutoModelForCausalLM
-    from transformers import AutoModelForTokenClassification
+    no_dist mode. The critic exports as a token-classification (value) model with one label, the
+    reward model (train_rm.py) as a sequence-classification model with one label."""
     from transformers import AutoTokenizer
     from transformers import GenerationConfig
 
@@ -837,20 +855,18 @@ def export(path, out, role=None):
     # trust_remote_code=False: an `auto_map` in hf/ never runs a .py file of the checkpoint's, nor
     # asks whether to (it fails here instead)
     try:
-        if role == "critic":  # PPO's value model
-            config = AutoConfig.from_pretrained(hf, num_labels=1, trust_remote_code=False)
-            model = AutoModelForTokenClassification.from_config(config, trust_remote_code=False)
-        else:
-            config = AutoConfig.from_pretrained(hf, trust_remote_code=False)
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+        model = _empty_model(hf, role)
         tok = AutoTokenizer.from_pretrained(hf, trust_remote_code=False)
-        generation_config = GenerationConfig.from_pretrained(hf)
+        generation_config = None
+        if os.path.lexists(os.path.join(hf, "generation_config.json")):  # a reward model has none
+            generation_config = GenerationConfig.from_pretrained(hf)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{hf}: cannot load ({describe(e)})")
     warnings.filterwarnings("ignore", "torch.distributed is disabled")  # no_dist says so: we know
     state = {role: {"model": model.state_dict()}}
     dcp_load(state, os.path.join(path, "dcp"), no_dist=True)  # fills the model's tensors in place
-    model.generation_config = generation_config
+    if generation_config is not None:
+        model.generation_config = generation_config
     # save_pretrained only logs an error and returns when `out` is a file: raise here instead
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out)

@@ -425,6 +425,18 @@ def load_model_and_tokenizer(path, cls, attn_implementation="auto", **kwargs):
     return model, tok
 
 
+def value_head(model):
+    """The one-output head of a token or sequence classifier: `score` on Llama, Qwen, Gemma and
+    Phi, `classifier` on GPT-2's token classifier."""
+    for name in ("score", "classifier"):
+        head = getattr(model, name, None)
+        if isinstance(head, torch.nn.Linear):
+            return head
+    raise SystemExit(
+        f"error: {type(model).__name__} has no `score` or `classifier` head to use as a value head"
+    )
+
+
 def stop_token_ids(tok, generation_config):
     """The ids generation stops at: the tokenizer's EOS first, then every other id in the model's
     `generation_config.eos_token_id` (Qwen-Instruct lists two). Both engines and the evaluations

@@ -4,7 +4,10 @@
 #   ./launch.sh demo             setup, then the main job on the embedded task: SFT, then PPO from it
 #   ./launch.sh test [pytest args]   setup, ruff check + ruff format --check, then the test suite
 #                                    (`-m "not slow"` for a quick run)
-#   ./launch.sh sft|ppo [args]   torchrun train_sft.py / train_ppo.py: one process per GPU, or 2 on CPU
+#   ./launch.sh pipeline         setup, then SFT -> reward model -> PPO against it (the rule logged as
+#                                gold), with a summary; OUT_DIR (default runs/pipeline) holds the runs
+#   ./launch.sh sft|rm|ppo [args]   torchrun train_sft.py / train_rm.py / train_ppo.py: one process
+#                                   per GPU, or 2 on CPU
 #   ./launch.sh plot RUN [PNG]   score, KL and accuracy curves of a run (matplotlib)
 #
 # Several nodes: set NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT on every node (torchrun's c10d
@@ -98,8 +101,36 @@ acc = lambda p: [r["eval/accuracy"] for r in map(json.loads, open(p)) if "eval/a
 print(f"held-out accuracy: after SFT {acc('runs/demo/sft/metrics.jsonl')[-1]:.3f}, after PPO {acc('runs/demo/ppo/metrics.jsonl')[-1]:.3f}")
 PY
     ;;
+  pipeline)  # the three stages of InstructGPT on the embedded task (README: measured numbers)
+    setup
+    out=${OUT_DIR:-runs/pipeline}
+    # --resume latest: a stopped pipeline continues where it stopped; rm -rf "$out" starts over
+    t0=$(date +%s)
+    run_torchrun train_sft.py --out_dir "$out/sft" --max_steps 400 --resume latest
+    t1=$(date +%s)
+    run_torchrun train_rm.py --model "$out/sft/hf" --out_dir "$out/rm" --resume latest
+    t2=$(date +%s)
+    run_torchrun train_ppo.py --model "$out/sft/hf" --reward_model "$out/rm/hf" \
+      --gold_reward_fn task:reward_fn --out_dir "$out/ppo" --resume latest
+    t3=$(date +%s)
+    "$PY" - "$out" "$t0" "$t1" "$t2" "$t3" <<'PY'
+import json
+import sys
+
+out, t0, t1, t2, t3 = sys.argv[1], *map(int, sys.argv[2:])
+def last(stage, key, first=False):
+    rows = [r[key] for r in map(json.loads, open(f"{out}/{stage}/metrics.jsonl")) if key in r]
+    return rows[0] if first else rows[-1]
+print(f"SFT: held-out accuracy {last('sft', 'eval/accuracy'):.3f} ({t1 - t0} s)")
+print(f"RM:  held-out pair accuracy {last('rm', 'eval/accuracy'):.3f} ({t2 - t1} s)")
+start, end = last("ppo", "eval/gold_accuracy", first=True), last("ppo", "eval/gold_accuracy")
+print(f"PPO: held-out gold accuracy {start:.3f} -> {end:.3f} ({end - start:+.3f}; {t3 - t2} s)")
+print(f"pipeline: {t3 - t0} s")
+PY
+    ;;
   sft) setup; run_torchrun train_sft.py "$@" ;;
+  rm) setup; run_torchrun train_rm.py "$@" ;;
   ppo) setup; run_torchrun train_ppo.py "$@" ;;
   plot) setup; exec "$PY" plot.py "$@" ;;
-  *) echo "usage: ./launch.sh setup|demo|test|sft|ppo|plot [args]" >&2; exit 2 ;;
+  *) echo "usage: ./launch.sh setup|demo|pipeline|test|sft|rm|ppo|plot [args]" >&2; exit 2 ;;
 esac

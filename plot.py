@@ -10,8 +10,10 @@ import sys
 
 KEYS = [
     "objective/score",
+    "objective/gold_score",  # with --gold_reward_fn: the rule beside the learned reward
     "objective/kl",
     "eval/accuracy",
+    "eval/gold_accuracy",
     "train/loss",
     "policy/clipfrac",
     "val/loss",

@@ -39,6 +39,64 @@ def make_split(split):
     return [{"prompt": f"{a}+{b}=", "response": str(a + b)} for a, b in pairs]
 
 
+# ---- preference pairs, for the reward model (train_rm.py) ----------------------------------------
+PAIR_SEED = 4321  # fixed, like SPLIT_SEED: every run and machine gets the same pairs
+EASY_SHARE = 0.1  # this share of the rejected answers is a random number, easy to tell apart
+
+
+def carry_forgotten(a, b):
+    """The digit-wise sum without carries: 37+45 -> 72 (7 ones, 7 tens). Equal to a+b when the
+    sum has no carry."""
+    total = 0
+    place = 1
+    while a or b:
+        total += ((a % 10 + b % 10) % 10) * place
+        a //= 10
+        b //= 10
+        place *= 10
+    return total
+
+
+def near_miss(a, b, rng):
+    """A wrong answer to a+b that a model could plausibly give: a digit off by one, a dropped or
+    repeated digit, the carry forgotten; or (EASY_SHARE of the time) a random number."""
+    right = str(a + b)
+    if rng.random() < EASY_SHARE:
+        candidates = [str(rng.randrange(2 * 10**DIGITS))]
+    else:
+        i = rng.randrange(len(right))
+        digit = int(right[i])
+        step = rng.choice([-1, 1])
+        if not 0 <= digit + step <= 9:
+            step = -step
+        candidates = [
+            right[:i] + str(digit + step) + right[i + 1 :],  # a digit off by one
+            right[:i] + right[i + 1 :],  # a dropped digit
+            right[:i] + right[i] + right[i:],  # a repeated digit
+            str(carry_forgotten(a, b)),  # the carry forgotten
+        ]
+        rng.shuffle(candidates)
+    # the first that is a wrong, non-empty answer; the off-by-one always is
+    wrong = [c for c in candidates if c and c != right]
+    if not wrong:
+        return str(a + b + 1)
+    return wrong[0]
+
+
+def make_pairs(split):
+    """Preference pairs {"prompt": "37+45=", "chosen": "82", "rejected": "72"} of split "train" or
+    "test": the same prompts as `make_split`, the right sum chosen, a near miss rejected."""
+    rng = random.Random(f"{PAIR_SEED}-{split}")
+    pairs = []
+    for example in make_split(split):
+        a, b = example["prompt"].rstrip("=").split("+")
+        rejected = near_miss(int(a), int(b), rng)
+        pairs.append(
+            {"prompt": example["prompt"], "chosen": example["response"], "rejected": rejected}
+        )
+    return pairs
+
+
 def reward_fn(prompt, response):
     """1.0 when the response is the right sum, else 0.0. `response` is the decoded text, EOS
     removed."""

@@ -103,8 +103,15 @@ class Args:
     reward_fn: str = "task:reward_fn"
     """module:function(prompt, response) -> float, the rule reward (used unless --reward_model)"""
     reward_model: str = ""
-    """HF AutoModelForSequenceClassification folder; its score at the last real token is the
-    reward"""
+    """HF AutoModelForSequenceClassification folder (train_rm.py's export); its score at the last
+    real token is the reward"""
+    reward_norm: bool = True
+    """normalise the reward model's score to (score - reward_mean) / reward_std with the two
+    numbers its config.json records (train_rm.py writes them; absent: the raw score), so that a
+    --kl_coef means the same for any reward model; false: the raw score"""
+    gold_reward_fn: str = ""
+    """with --reward_model: module:function(prompt, response) -> float, a rule logged beside the
+    learned score (objective/gold_score, eval/gold_accuracy), never trained on"""
     max_new_tokens: int = 8
     """response length limit"""
     temperature: float = 1.0
@@ -297,6 +304,14 @@ def value_loss(values, old_values, returns, mask, cliprange_value, n_tokens):
     return 0.5 * masked_mean(torch.max(vf_losses, vf_losses2), mask, n_tokens), vf_clipfrac
 
 
+def normalised_scores(scores, mean, std):
+    """(score - mean) / std, with the reward model's mean and std over reference responses
+    (recorded by train_rm.py): Ziegler et al. 2019 normalise the reward model so that such
+    responses score mean 0 and variance 1 [N RM #3]. A --kl_coef then weighs the KL against a
+    score of unit scale, whatever the reward model's own scale. scores [B]."""
+    return (scores - mean) / std
+
+
 def eos_penalized(scores, finished, penalty):
     """A response cut at max_new_tokens without EOS loses `penalty` [N policy #5]. scores [B]."""
     return scores - penalty * (1 - torch.tensor(finished, dtype=scores.dtype))
@@ -413,18 +428,7 @@ class Models:
     critic: torch.nn.Module | None  # gae only
     reward_model: torch.nn.Module | None  # --reward_model only; else --reward_fn scores
     reward_tokenizer: object = None  # the reward model's own tokenizer
-
-
-def value_head(model):
-    """The one-output head of a token or sequence classifier: `score` on Llama, Qwen, Gemma and
-    Phi, `classifier` on GPT-2's token classifier."""
-    for name in ("score", "classifier"):
-        head = getattr(model, name, None)
-        if isinstance(head, torch.nn.Linear):
-            return head
-    raise SystemExit(
-        f"error: {type(model).__name__} has no `score` or `classifier` head to use as a value head"
-    )
+    reward_norm: tuple | None = None  # (mean, std) of the reward model's score, or None: raw
 
 
 def build_models(args, device):
@@ -439,7 +443,7 @@ def build_models(args, device):
         critic, _ = common.load_model_and_tokenizer(
             args.model, AutoModelForTokenClassification, attention, num_labels=1
         )
-        head = value_head(critic)
+        head = common.value_head(critic)
         torch.nn.init.zeros_(head.weight)
         if head.bias is not None:
             torch.nn.init.zeros_(head.bias)
@@ -453,6 +457,11 @@ def build_models(args, device):
         reward_model.config.pad_token_id = reward_tok.pad_token_id
         models.reward_model = reward_model.requires_grad_(False)
         models.reward_tokenizer = reward_tok
+        mean = getattr(reward_model.config, "reward_mean", None)
+        std = getattr(reward_model.config, "reward_std", None)
+        # a reward model that scores every reference response alike (std 0) has no scale to use
+        if args.reward_norm and mean is not None and std is not None and std > 0:
+            models.reward_norm = (mean, std)
     if args.gradient_checkpointing:  # the trained models; the frozen ones keep no activations
         common.checkpoint_activations(actor)
         if models.critic is not None:
@@ -525,6 +534,11 @@ def check_args(args, world):
             f"{args.train_batch_size}, that by --micro_batch_size {args.micro_batch_size} x "
             "world size"
         )
+    if args.gold_reward_fn and not args.reward_model:
+        raise SystemExit(
+            f"error: --gold_reward_fn {args.gold_reward_fn} is logged beside --reward_model's "
+            "score: give --reward_model too (without one, --reward_fn is the reward)"
+        )
     if args.advantage_estimator != "gae" and n < 2:
         raise SystemExit(
             f"error: --advantage_estimator {args.advantage_estimator} compares the samples of a "
@@ -546,15 +560,15 @@ def generate(args, engine, prompts, step, positions):
     return gen
 
 
-def rule_scores(spec, prompts, responses):
-    """Scores [B] from --reward_fn module:function(prompt, response) -> float; a failure of the
-    user's function is one clear line."""
+def rule_scores(spec, prompts, responses, flag="--reward_fn"):
+    """Scores [B] from `flag` (--reward_fn or --gold_reward_fn) module:function(prompt, response)
+    -> float; a failure of the user's function is one clear line."""
     module, _, name = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as e:
         raise SystemExit(
-            f"error: --reward_fn {spec}: expected module:function importable from here ({e})"
+            f"error: {flag} {spec}: expected module:function importable from here ({e})"
         )
     scores = []
     for prompt, response in zip(prompts, responses):
@@ -562,12 +576,11 @@ def rule_scores(spec, prompts, responses):
             s = fn(prompt, response)
         except Exception as e:  # a user's function: any failure becomes one clear line
             raise SystemExit(
-                f"error: --reward_fn {spec} raised {e!r} on prompt {prompt!r}, "
-                f"response {response!r}"
+                f"error: {flag} {spec} raised {e!r} on prompt {prompt!r}, response {response!r}"
             )
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
             raise SystemExit(
-                f"error: --reward_fn {spec} returned {s!r} for prompt {prompt!r}; expected a "
+                f"error: {flag} {spec} returned {s!r} for prompt {prompt!r}; expected a "
                 "finite number"
             )
         scores.append(float(s))
@@ -583,15 +596,27 @@ def score(args, tok, models, prompt_texts, responses, finished, device):
         return rule_scores(args.reward_fn, prompt_texts, texts)
     reward_tok = models.reward_tokenizer
     sequences = reward_model_inputs(reward_tok, prompt_texts, texts, finished)
-    return reward_model_scores(
+    scores = reward_model_scores(
         models.reward_model, sequences, reward_tok.pad_token_id, args.micro_batch_size, device
     )
+    if models.reward_norm is None:
+        return scores
+    mean, std = models.reward_norm
+    return normalised_scores(scores, mean, std)
+
+
+def gold_scores(args, tok, prompt_texts, responses):
+    """Scores [B] from --gold_reward_fn: the rule a learned reward stands in for, logged beside it
+    and never trained on (the proxy/gold picture of Gao et al. 2022)."""
+    texts = tok.batch_decode(responses, skip_special_tokens=True)
+    return rule_scores(args.gold_reward_fn, prompt_texts, texts, "--gold_reward_fn")
 
 
 def reward_model_inputs(reward_tok, prompt_texts, response_texts, finished):
     """The reward model's own token ids for each (prompt, response), [B][len]: the prompt (through
     its chat template when it has one), the response, and its EOS when the response ended there.
-    The reward model never sees the policy's ids: its vocabulary and pad id may differ."""
+    The reward model never sees the policy's ids: its vocabulary and pad id may differ. This is
+    the format `train_rm.py: encode_pair` trains the reward model on (prompt, response, EOS)."""
     sequences = []
     for prompt, response, ended in zip(prompt_texts, response_texts, finished):
         ids = common.encode_prompt(reward_tok, prompt)
@@ -612,7 +637,7 @@ def reward_model_scores(reward_model, sequences, pad_id, micro_batch_size, devic
     def keep(module, inputs, output):
         head_outputs.append(output)  # [b, T, 1]
 
-    hook = value_head(reward_model).register_forward_hook(keep)
+    hook = common.value_head(reward_model).register_forward_hook(keep)
     scores = []
     try:
         for start in range(0, len(sequences), micro_batch_size):
@@ -794,24 +819,39 @@ def optimizer_step(roles, max_grad_norm):
 # ---- evaluation and logging --------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(args, engine, tok, models, items, device):
-    """Mean score of greedy responses to held-out prompts (= accuracy for a 0/1 reward).
+    """{"eval/accuracy": mean score of greedy responses to held-out prompts (= accuracy for a
+    0/1 reward)}, and with --gold_reward_fn "eval/gold_accuracy", the gold rule's mean score.
     Collective: every rank decodes and scores an equal share (scoring may be collective)."""
     mine, counted = common.eval_share(items)  # equal shares: scoring may be collective
     prompt_ids = [ids for ids, _ in mine]
     gen = engine.generate(prompt_ids, 1, args.max_new_tokens, 0.0, 1.0, [0] * len(mine))
     texts = [text for _, text in mine]
     scores = score(args, tok, models, texts, gen.response_ids, gen.finished, device)
-    sums = [scores[:counted].sum().item(), counted]
+    gold_sum = 0.0
+    if args.gold_reward_fn:
+        gold_sum = gold_scores(args, tok, texts, gen.response_ids)[:counted].sum().item()
+    sums = [scores[:counted].sum().item(), counted, gold_sum]
     totals = torch.tensor(sums, dtype=torch.float64, device=device)
-    dist.all_reduce(totals)  # every rank's sum of scores and count
-    return (totals[0] / totals[1]).item()
+    dist.all_reduce(totals)  # every rank's sum of scores, count and sum of gold scores
+    metrics = {"eval/accuracy": (totals[0] / totals[1]).item()}
+    if args.gold_reward_fn:
+        metrics["eval/gold_accuracy"] = (totals[2] / totals[1]).item()
+    return metrics
 
 
-def rollout_sums(raw_scores, gen, kl, exp, gap):
+def eval_line(step, metrics):
+    """The console line of an evaluation."""
+    line = f"step {step}: held-out accuracy {metrics['eval/accuracy']:.3f}"
+    if "eval/gold_accuracy" in metrics:
+        line += f", gold accuracy {metrics['eval/gold_accuracy']:.3f}"
+    return line
+
+
+def rollout_sums(raw_scores, gen, kl, exp, gap, gold):
     """This rank's sums behind the objective/* and rollout/* metrics (global_sums adds the
-    ranks)."""
+    ranks). gold: the --gold_reward_fn scores [B], or None."""
     mask = exp.batch.response_mask
-    return {
+    sums = {
         "logprob_gap": gap.sum().item(),
         "score": raw_scores.sum().item(),
         "finished": float(sum(gen.finished)),
@@ -820,6 +860,9 @@ def rollout_sums(raw_scores, gen, kl, exp, gap):
         "nll": (-exp.old_logprobs * mask).sum().item(),
         "tokens": mask.sum().item(),
     }
+    if gold is not None:
+        sums["gold_score"] = gold.sum().item()
+    return sums
 
 
 def iteration_metrics(update_stats, rollout_stats, device):
@@ -837,6 +880,8 @@ def iteration_metrics(update_stats, rollout_stats, device):
         "objective/response_len": totals["tokens"] / n,
         "rollout/logprob_diff_mean": totals["logprob_gap"] / totals["tokens"],
     }
+    if "gold_score" in totals:  # the rule beside the learned reward, never trained on
+        metrics["objective/gold_score"] = totals["gold_score"] / n
     for name in update_stats:
         metrics[name] = totals[name]
     return metrics
@@ -883,6 +928,7 @@ MUST_MATCH = [
     "advantage_estimator",
     "reward_fn",
     "reward_model",
+    "reward_norm",
 ]
 
 
@@ -924,9 +970,9 @@ def main(args):
     # the rows a killed run logged after the checkpoint go (all of them on a fresh start)
     metrics_log.truncate(start if final else None)
     if not final and held_out:
-        accuracy = evaluate(args, engine, tok, models, held_out, device)
-        common.print0(f"step 0: held-out accuracy {accuracy:.3f}")
-        metrics_log.log({"eval/accuracy": accuracy}, 0)
+        eval_metrics = evaluate(args, engine, tok, models, held_out, device)
+        common.print0(eval_line(0, eval_metrics))
+        metrics_log.log(eval_metrics, 0)
 
     step = start
     pbar = tqdm(total=args.max_steps, initial=start, disable=rank != 0, desc="ppo")
@@ -943,6 +989,9 @@ def main(args):
         # (2) Score; a response cut without EOS is penalised [N policy #5].
         raw_scores = score(args, tok, models, prompt_texts, gen.response_ids, gen.finished, device)
         scores = eos_penalized(raw_scores, gen.finished, args.missing_eos_penalty)
+        gold = None  # the rule beside a learned reward: logged, never trained on
+        if args.gold_reward_fn:
+            gold = gold_scores(args, tok, prompt_texts, gen.response_ids)
         # (3) Old and reference logprobs, values: in a random order, which the first PPO epoch
         # keeps (its first micro-batch then sees ratio == 1 exactly).
         order = torch.randperm(len(prompt_ids))
@@ -963,7 +1012,7 @@ def main(args):
         rollout.sync_weights(engine, models.actor)
         t4 = time.time()
 
-        sums = rollout_sums(raw_scores, gen, kl, exp, gap)
+        sums = rollout_sums(raw_scores, gen, kl, exp, gap, gold)
         metrics = iteration_metrics(update_stats, sums, device)
         metrics["rollout/logprob_diff_max"] = common.global_max(gap.max(), device)
         if metrics["rollout/logprob_diff_mean"] > args.logprob_diff_warn:
@@ -987,9 +1036,8 @@ def main(args):
         metrics["rollout/responses_sha"] = hash_responses(gen.response_ids)
         is_eval_step = args.eval_every and step % args.eval_every == 0
         if held_out and (step == args.max_steps or is_eval_step):
-            accuracy = evaluate(args, engine, tok, models, held_out, device)
-            metrics["eval/accuracy"] = accuracy
-            common.print0(f"step {step}: held-out accuracy {accuracy:.3f}")
+            metrics.update(evaluate(args, engine, tok, models, held_out, device))
+            common.print0(eval_line(step, metrics))
         metrics_log.log(metrics, step)
         if rank == 0 and "eval/accuracy" in metrics:
             write_samples(args.out_dir, step, prompts, raw_scores, gen, tok, n)

@@ -277,3 +277,31 @@ def test_a_failed_final_export_keeps_the_checkpoint_and_says_how_to_redo_it(tmp_
     assert f"error: export of {final} to {out / 'hf'} failed" in p.stderr, p.stderr[-3000:]
     assert f"python checkpoint.py export {final} {out / 'hf'}" in p.stderr
     assert run_py("checkpoint.py", "verify", final).returncode == 0
+
+
+@pytest.mark.parametrize(
+    "text,needles",
+    [
+        ('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n{"prompt": ', ["pairs.jsonl:2"]),
+        (
+            '{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n'
+            '{"prompt": "1+1=", "chosen": "2"}\n',
+            ["pairs.jsonl:2: expected a string field 'rejected'"],
+        ),
+    ],
+    ids=["malformed-line", "missing-field"],
+)
+def test_rm_bad_data_file(tmp_path, text, needles):
+    import task
+
+    task.ensure_tiny_model()
+    (tmp_path / "pairs.jsonl").write_text(text)
+    args = ("--model", task.TINY_MODEL, "--out_dir", tmp_path / "out", "--max_steps", 1)
+    p = run_py("train_rm.py", *args, "--data", tmp_path / "pairs.jsonl")
+    assert_one_line_error(p, *needles)
+
+
+def test_gold_reward_needs_a_reward_model(tmp_path):
+    args = ("--out_dir", tmp_path, "--max_steps", 1, "--gold_reward_fn", "task:reward_fn")
+    p = run_py("train_ppo.py", *args)
+    assert_one_line_error(p, "--gold_reward_fn task:reward_fn", "give --reward_model")

@@ -21,7 +21,15 @@ from conftest import PY
 from conftest import REPO
 
 # The product's files: the rules hold everywhere, the 50-line limit for helpers here.
-PRODUCT = ["common.py", "checkpoint.py", "rollout.py", "task.py", "train_sft.py", "train_ppo.py"]
+PRODUCT = [
+    "common.py",
+    "checkpoint.py",
+    "rollout.py",
+    "task.py",
+    "train_sft.py",
+    "train_rm.py",
+    "train_ppo.py",
+]
 MAX_HELPER_LINES = 50
 # Methods whose call changes something: a comprehension that calls them is a loop in disguise.
 MUTATORS = {
@@ -214,14 +222,15 @@ def test_readme_documents_every_flag_and_metric():
     readme = open(os.path.join(REPO, "README.md")).read()
     sys.path.insert(0, REPO)
     import train_ppo
+    import train_rm
     import train_sft
 
-    for cls in (train_sft.Args, train_ppo.Args):
+    for cls in (train_sft.Args, train_rm.Args, train_ppo.Args):
         missing = [f.name for f in dataclasses.fields(cls) if f"`--{f.name}`" not in readme]
         assert not missing, f"flags missing from the README: {missing}"
     keys = set()
     pattern = r'"((?:objective|policy|val|train|eval|time|rollout)/\w+)"'
-    for f in ("train_sft.py", "train_ppo.py"):
+    for f in ("train_sft.py", "train_rm.py", "train_ppo.py"):
         keys |= set(re.findall(pattern, open(os.path.join(REPO, f)).read()))
     missing = [k for k in keys if k not in readme]
     assert len(keys) > 20 and not missing, missing

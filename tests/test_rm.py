@@ -1,0 +1,108 @@
+"""train_rm.py under torchrun with 2 ranks: it resumes exactly, its export loads in plain
+transformers with the normalisation statistics, and train_ppo.py scores with it (the gold rule
+logged beside)."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import task
+from conftest import assert_same_tensors
+from conftest import latest
+from conftest import metrics
+from conftest import run
+
+pytestmark = pytest.mark.slow
+
+N = 6  # steps of 16 pairs
+
+
+def rm(out, *extra):
+    args = ("--model", task.TINY_MODEL, "--out_dir", out, "--max_steps", N)
+    args += ("--train_batch_size", 16, "--micro_batch_size", 4, "--warmup_steps", 2)
+    args += ("--eval_every", 3, "--eval_samples", 16, "--norm_samples", 32, "--save_every", 100)
+    return args + extra
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("rm-straight"))
+    run("train_rm.py", *rm(out))
+    return out
+
+
+def test_rm_resume_is_bitwise_exact(tmp_path, straight):
+    out = str(tmp_path)
+    run("train_rm.py", *rm(out, "--stop_at_step", 4))
+    assert latest(out).endswith("step-00000004") and not os.path.exists(os.path.join(out, "hf"))
+    p = run("train_rm.py", *rm(out, "--resume", "latest"))
+    assert "at step 4" in p.stdout + p.stderr
+    assert_same_tensors(latest(straight), latest(out))  # weights and optimizer state
+    assert metrics(straight) == metrics(out)  # every step's loss, accuracy, eval, statistics
+    a = load_file(os.path.join(straight, "hf", "model.safetensors"))
+    b = load_file(os.path.join(out, "hf", "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_rm_logs_its_metrics(straight):
+    rows = metrics(straight)
+    assert [r["step"] for r in rows] == list(range(1, N + 1))
+    for key in ("train/loss", "train/accuracy", "train/lr", "train/grad_norm"):
+        assert all(key in r for r in rows)
+    for key in ("eval/accuracy", "eval/margin", "eval/reward_chosen", "eval/reward_rejected"):
+        assert key in rows[2] and key in rows[-1]
+    last = rows[-1]
+    assert last["eval/margin"] == pytest.approx(
+        last["eval/reward_chosen"] - last["eval/reward_rejected"], abs=1e-5
+    )
+    assert last["train/reward_std"] > 0
+
+
+def test_rm_export_loads_in_plain_transformers(straight):
+    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoTokenizer
+
+    import train_ppo
+
+    hf = os.path.join(straight, "hf")
+    model = AutoModelForSequenceClassification.from_pretrained(hf)
+    tok = AutoTokenizer.from_pretrained(hf)
+    assert model.config.num_labels == 1 and model.config.pad_token_id == tok.pad_token_id
+    # the normalisation statistics are in the export's config, as logged
+    config = json.load(open(os.path.join(hf, "config.json")))
+    last = metrics(straight)[-1]
+    assert config["reward_mean"] == last["train/reward_mean"]
+    assert config["reward_std"] == last["train/reward_std"]
+    # transformers' own pooling (PAD != EOS here) and PPO's last-token read agree
+    seqs = train_ppo.reward_model_inputs(tok, ["37+45=", "1+1="], ["82", "3"], [True, True])
+    width = max(len(s) for s in seqs)
+    input_ids = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in seqs])
+    attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    with torch.no_grad():
+        theirs = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0]
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ours = train_ppo.reward_model_scores(model, seqs, tok.pad_token_id, 8, "cpu")
+    finally:
+        dist.destroy_process_group()
+    assert torch.allclose(theirs, ours, atol=1e-5)
+
+
+def test_ppo_optimises_the_rm_and_logs_the_gold_rule(tmp_path, straight):
+    out = str(tmp_path)
+    args = ("--model", task.TINY_MODEL, "--reward_model", os.path.join(straight, "hf"))
+    args += ("--gold_reward_fn", "task:reward_fn", "--rollout_engine", "hf", "--out_dir", out)
+    args += ("--max_steps", 1, "--rollout_batch_size", 8, "--n_samples_per_prompt", 2)
+    args += ("--train_batch_size", 16, "--micro_batch_size", 8, "--max_new_tokens", 4)
+    args += ("--eval_samples", 8, "--save_every", 100)
+    run("train_ppo.py", *args)
+    rows = metrics(out)
+    assert "eval/gold_accuracy" in rows[0] and "eval/gold_accuracy" in rows[-1]
+    assert 0 <= rows[1]["objective/gold_score"] <= 1
+    # the score is the RM's, normalised: not the 0/1 rule's
+    assert rows[1]["objective/score"] not in (0.0, 1.0)

@@ -1,0 +1,107 @@
+"""train_rm.py's math by hand (score position, Bradley-Terry loss, encoding), PPO's score
+normalisation, and the embedded preference pairs (task.make_pairs)."""
+
+import math
+
+import pytest
+import torch
+
+import task
+import train_ppo
+import train_rm
+
+
+def test_score_is_read_at_the_last_real_token_right_padding():
+    # two sequences of different lengths (a pair whose responses differ in length), right-padded
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    per_token = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0, 9.0]])
+    assert train_rm.last_token_scores(per_token, mask).tolist() == [4.0, 7.0]
+
+
+def test_score_is_read_at_the_last_real_token_left_padding():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    per_token = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0, 9.0]])
+    assert train_rm.last_token_scores(per_token, mask).tolist() == [4.0, 9.0]
+
+
+def test_collate_right_pads_and_the_score_follows_the_mask_not_the_ids():
+    # PAD equal to EOS (2): the mask, not the ids, says where each sequence ends
+    input_ids, mask = train_rm.collate([[1, 5, 2], [1, 5, 6, 7, 2]], pad_id=2)
+    assert input_ids.tolist() == [[1, 5, 2, 2, 2], [1, 5, 6, 7, 2]]
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    per_token = input_ids.float() * 10 + torch.arange(5)  # distinct values per position
+    assert train_rm.last_token_scores(per_token, mask).tolist() == [22.0, 24.0]
+
+
+def test_bradley_terry_loss_by_hand():
+    r_chosen = torch.tensor([2.0, 0.0])
+    r_rejected = torch.tensor([1.0, 1.0])
+    # -log sigmoid(x) = log(1 + e^-x); differences 1 and -1; 4 pairs in the global batch
+    want = (math.log(1 + math.exp(-1)) + math.log(1 + math.exp(1))) / 4
+    got = train_rm.bradley_terry_loss(r_chosen, r_rejected, 0.0, 4)
+    assert got.item() == pytest.approx(want, rel=1e-6)
+    # a margin of 1 moves both differences down by 1: 0 and -2
+    want = (math.log(2) + math.log(1 + math.exp(2))) / 4
+    got = train_rm.bradley_terry_loss(r_chosen, r_rejected, 1.0, 4)
+    assert got.item() == pytest.approx(want, rel=1e-6)
+
+
+def test_micro_batches_add_up_to_the_global_mean():
+    r_chosen = torch.tensor([0.3, -1.2, 2.0, 0.1])
+    r_rejected = torch.tensor([0.0, 0.5, -1.0, 0.4])
+    whole = train_rm.bradley_terry_loss(r_chosen, r_rejected, 0.0, 4)
+    halves = train_rm.bradley_terry_loss(r_chosen[:2], r_rejected[:2], 0.0, 4)
+    halves = halves + train_rm.bradley_terry_loss(r_chosen[2:], r_rejected[2:], 0.0, 4)
+    assert halves.item() == pytest.approx(whole.item(), rel=1e-6)
+
+
+def test_the_rm_is_trained_on_the_format_ppo_scores():
+    """encode_pair builds exactly what train_ppo.reward_model_inputs gives a finished response."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
+    row = {"prompt": "37+45=", "chosen": "82", "rejected": "712"}
+    chosen, rejected = train_rm.encode_pair(tok, row, 64, "row 1")
+    want = train_ppo.reward_model_inputs(tok, ["37+45="] * 2, ["82", "712"], [True, True])
+    assert [chosen, rejected] == want
+    assert chosen[-1] == tok.eos_token_id and len(rejected) == len(chosen) + 1
+
+
+def test_init_reward_head_is_the_same_for_every_seed_call():
+    a = torch.nn.Linear(128, 1, bias=False)
+    b = torch.nn.Linear(128, 1, bias=False)
+    train_rm.init_reward_head(a, 42)
+    torch.manual_seed(123)  # the global RNG plays no part
+    train_rm.init_reward_head(b, 42)
+    assert torch.equal(a.weight, b.weight)
+    assert 0.5 / math.sqrt(129) < a.weight.std().item() < 2 / math.sqrt(129)
+
+
+def test_normalised_scores():
+    scores = torch.tensor([1.0, 3.0, -1.0])
+    got = train_ppo.normalised_scores(scores, 1.0, 2.0)
+    assert got.tolist() == [0.0, 1.0, -1.0]
+
+
+def test_pairs_are_deterministic_wrong_and_held_out():
+    train = task.make_pairs("train")
+    test = task.make_pairs("test")
+    assert train == task.make_pairs("train") and test == task.make_pairs("test")
+    assert len(train) == len(task.make_split("train")) and len(test) == task.N_HELD_OUT
+    for row in train + test:
+        a, b = row["prompt"].rstrip("=").split("+")
+        assert row["chosen"] == str(int(a) + int(b))
+        assert row["rejected"] != row["chosen"] and row["rejected"].isdigit()
+        assert task.reward_fn(row["prompt"], row["rejected"]) == 0.0
+    # held-out pairs: the held-out split's prompts, none of the training prompts
+    assert [r["prompt"] for r in test] == [e["prompt"] for e in task.make_split("test")]
+    assert not {r["prompt"] for r in test} & {r["prompt"] for r in train}
+    # mostly near misses: the rejected answer is within one digit of the right one's length
+    near = [r for r in train if abs(len(r["rejected"]) - len(r["chosen"])) <= 1]
+    assert len(near) > 0.9 * len(train)
+
+
+def test_carry_forgotten():
+    assert task.carry_forgotten(37, 45) == 72
+    assert task.carry_forgotten(99, 1) == 90
+    assert task.carry_forgotten(12, 34) == 46  # no carry: the right sum

@@ -1,0 +1,420 @@
+"""Reward-model training: a Bradley–Terry loss on pairs of a chosen and a rejected response.
+
+Stage 2 of RLHF (Stiennon et al. 2020, "Learning to summarize from human feedback", eq. 1; Ouyang
+et al. 2022, eq. 1): a scalar score r(x, y), trained so that the chosen response of a pair scores
+above the rejected one, which PPO (`train_ppo.py --reward_model`) then maximises. The model is the
+SFT export (or any causal LM folder) as an `AutoModelForSequenceClassification` with one output;
+its score is the head's output at the last real token of the sequence. FSDP2 and checkpoints as in
+train_sft.py: bitwise-exact resume, preemption, faults.
+
+A response is encoded exactly as `train_ppo.py: reward_model_inputs` encodes a finished one: the
+prompt's tokens (through the chat template when the tokenizer has one), the response's tokens,
+then the tokenizer's EOS. PPO thus scores its responses in the format the reward model was trained
+on. At the end, the reward's mean and std over chosen responses of the training data go into the
+export's config.json (`reward_mean`, `reward_std`); PPO normalises the score with them.
+
+    torchrun --nproc_per_node=2 train_rm.py --model runs/sft/hf --out_dir runs/rm [--resume latest]
+    torchrun --nproc_per_node=8 train_rm.py --model my_sft --data pairs.jsonl --eval_data held.jsonl
+
+Reading order: `Args`; the math (`encode_pair`, `collate`, `last_token_scores`,
+`bradley_terry_loss`); the phases (`pair_scores`, `train_step`, `evaluate`, `reward_stats`);
+`main`. The plumbing (process group, sharding, logging) is in common.py.
+"""
+
+import dataclasses
+import math
+import os
+import time
+import typing
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import AutoModelForSequenceClassification
+from transformers import get_cosine_schedule_with_warmup
+
+import checkpoint
+import common
+import task
+
+
+@dataclasses.dataclass
+class Args:
+    model: str = "runs/sft/hf"
+    """the SFT export, or any causal LM or sequence-classification folder or hub id: the reward
+    model's backbone"""
+    data: str = ""
+    """training JSONL, one {"prompt": ..., "chosen": ..., "rejected": ...} per line (default: the
+    embedded task's pairs)"""
+    eval_data: str = ""
+    """held-out JSONL in the same format (default: the embedded task's held-out pairs; none with
+    --data)"""
+    out_dir: str = "runs/rm"
+    """checkpoints/, metrics.jsonl and the final hf/ export go here"""
+    max_steps: int = 300
+    """optimizer steps in the whole run (the LR schedule spans them)"""
+    save_every: int = 100
+    """save a full checkpoint every this many steps (and at the end)"""
+    keep_last: int = 2
+    """keep this many checkpoints; older ones are pruned after a new one is committed"""
+    resume: str = ""
+    """'latest' (newest checkpoint in out_dir that verifies) or a checkpoint path; empty: start
+    fresh"""
+    seed: int = 42
+    """seeds the data order, the reward head's initialisation and every RNG"""
+    train_batch_size: int = 64
+    """pairs per optimizer step, over all ranks"""
+    micro_batch_size: int = 32
+    """pairs per forward/backward on one rank (both responses of a pair in the same one)"""
+    lr: float = 1e-3
+    """peak learning rate (AdamW), after linear warmup, then cosine decay to 0"""
+    warmup_steps: int = 10
+    """linear LR warmup steps"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm to this"""
+    margin: float = 0.0
+    """the chosen response must beat the rejected one by this much: -logsigmoid(r_c - r_r - m)"""
+    norm_samples: int = 1024
+    """chosen responses of the training data scored at the end for the reward's mean and std
+    (config.json's reward_mean and reward_std, which PPO normalises with)"""
+    eval_every: int = 50
+    """score the held-out pairs every this many steps (0: only at the end)"""
+    eval_samples: int = 1000
+    """held-out pairs per evaluation"""
+    save_every_minutes: float = 0.0
+    """also save when this many minutes of wall time have passed since the last save (0: off)"""
+    async_save: bool = False
+    """write checkpoints in a background thread while training goes on (published once complete)"""
+    on_save_error: typing.Literal["stop", "warn"] = "stop"
+    """a failed save (disk full, I/O error) stops the run, or warns and trains on; the last good
+    one stays latest"""
+    gradient_checkpointing: bool = False
+    """activation checkpointing on every transformer block: less memory, about a third more
+    compute"""
+    attn_implementation: str = "auto"
+    """transformers attention: eager, sdpa, ... or auto (eager where the family needs it: Gemma 2's
+    soft-capping, which SDPA drops; else transformers' default)"""
+    timeout_minutes: float = 30.0
+    """a collective waiting longer than this (a peer dead or stuck) fails with an error, not a
+    hang"""
+    tensorboard: bool = False
+    """also write TensorBoard event files to <out_dir>/tensorboard/ (needs `pip install
+    tensorboard`)"""
+    verbose: bool = False
+    """also print what transformers and torch log below errors, their warnings and their loading
+    bars (off: the run's own lines, its progress bar and errors only)"""
+    stop_at_step: int = 0
+    """save and exit after this step, as a preempted run would (for testing resume); 0: never"""
+
+
+# What each number may be, checked when the flags are parsed (`common.check_limits`); every float
+# must also be finite. `--keep_last 0` keeps every checkpoint; 0 turns the *_every flags off.
+LIMITS = {
+    "max_steps": ">= 1",
+    "save_every": ">= 0",
+    "keep_last": ">= 0",
+    "train_batch_size": ">= 1",
+    "micro_batch_size": ">= 1",
+    "lr": ">= 0",
+    "warmup_steps": ">= 0",
+    "max_grad_norm": "> 0",
+    "margin": ">= 0",
+    "norm_samples": ">= 2",
+    "eval_every": ">= 0",
+    "eval_samples": ">= 0",
+    "save_every_minutes": ">= 0",
+    "timeout_minutes": "> 0",
+    "stop_at_step": ">= 0",
+}
+
+
+# ---- the math ----------------------------------------------------------------------------------
+def encode_pair(tok, row, max_len, where):
+    """(chosen ids, rejected ids) of a {"prompt", "chosen", "rejected"} row: each the prompt's
+    tokens, the response's, and EOS, as `train_ppo.py: reward_model_inputs` builds a finished
+    response. `where` names the row in the error if it does not fit the context."""
+    longest = max(row["chosen"], row["rejected"], key=len)
+    common.check_fits(tok, row["prompt"] + longest, max_len, where)
+    prompt = common.encode_prompt(tok, row["prompt"])
+    sequences = []
+    for name in ("chosen", "rejected"):
+        ids = prompt + tok(row[name], add_special_tokens=False).input_ids + [tok.eos_token_id]
+        if len(ids) > max_len:
+            raise SystemExit(
+                f"error: {where}: prompt+{name} is {len(ids)} tokens, longer than the model's "
+                f"context (max_position_embeddings {max_len})"
+            )
+        sequences.append(ids)
+    return sequences[0], sequences[1]
+
+
+def collate(sequences, pad_id):
+    """Right-padded input_ids and attention_mask, both [B, T], from token-id lists [B][len]."""
+    T = max(len(ids) for ids in sequences)
+    input_ids = [ids + [pad_id] * (T - len(ids)) for ids in sequences]
+    attention_mask = [[1] * len(ids) + [0] * (T - len(ids)) for ids in sequences]
+    return torch.tensor(input_ids), torch.tensor(attention_mask)
+
+
+def last_token_scores(per_token, attention_mask):
+    """The head's output at each sequence's last real token [N23 RM #1]: per_token [B, T] ->
+    [B]. The position comes from the attention mask, never from token ids (PAD may equal EOS, or
+    be missing): the last column where the mask is 1, so right and left padding both work."""
+    T = attention_mask.shape[1]
+    last = T - 1 - attention_mask.flip(1).argmax(1)  # argmax: the first 1 from the right  [B]
+    return per_token[torch.arange(len(last)), last]
+
+
+def bradley_terry_loss(r_chosen, r_rejected, margin, n_pairs):
+    """-log sigmoid(r(x, y_c) - r(x, y_r) - margin), summed over this micro-batch's pairs and
+    divided by n_pairs, the pairs of the whole global batch (Stiennon et al. 2020, eq. 1; Ouyang
+    et al. 2022, eq. 1; the margin as in Llama 2, Touvron et al. 2023, eq. 2). r_* [b]."""
+    return -F.logsigmoid(r_chosen - r_rejected - margin).sum() / n_pairs
+
+
+def init_reward_head(head, seed):
+    """A fresh reward head: weights N(0, 1/sqrt(d_model + 1)), bias 0 [N23 RM #2], drawn from a
+    generator of its own, so every rank (and a resumed run) starts from the same head."""
+    generator = torch.Generator().manual_seed(seed)
+    d_model = head.weight.shape[1]
+    with torch.no_grad():
+        head.weight.normal_(0.0, 1 / math.sqrt(d_model + 1), generator=generator)
+        if head.bias is not None:
+            head.bias.zero_()
+
+
+# ---- the phases --------------------------------------------------------------------------------
+def load_data(args, tok, max_len):
+    """(training pairs, held-out pairs), each [(chosen ids, rejected ids)]."""
+    fields = ("prompt", "chosen", "rejected")
+    if args.data:
+        train = common.load_jsonl(args.data, fields)
+    else:
+        train = task.make_pairs("train")
+    if args.eval_data:
+        held_out = common.load_jsonl(args.eval_data, fields)
+    elif args.data:
+        held_out = []  # a user's data has no held-out split unless --eval_data gives one
+    else:
+        held_out = task.make_pairs("test")  # prompts of the held-out split only
+    source = args.data or "embedded task"
+    train = [encode_pair(tok, row, max_len, f"{source}:{i + 1}") for i, row in enumerate(train)]
+    held_out = held_out[: args.eval_samples]
+    eval_source = args.eval_data or "embedded task"
+    held_out = [
+        encode_pair(tok, row, max_len, f"{eval_source}:{i + 1}") for i, row in enumerate(held_out)
+    ]
+    if len(train) < args.train_batch_size:
+        raise SystemExit(
+            f"error: {source}: {len(train)} pairs, fewer than --train_batch_size "
+            f"{args.train_batch_size}"
+        )
+    return train, held_out
+
+
+def sequence_scores(model, sequences, pad_id, device):
+    """r(x, y) of each token-id list [B] -> [B]: one forward (collective: a sharded model), the
+    head's per-token outputs captured with a forward hook (transformers' own pooling finds the
+    last token by its id, not its position), read at the last real token."""
+    input_ids, attention_mask = collate(sequences, pad_id)
+    head_outputs = []
+
+    def keep(module, inputs, output):
+        head_outputs.append(output)  # [B, T, 1], in the autograd graph
+
+    hook = common.value_head(model).register_forward_hook(keep)
+    try:
+        # use_cache=False: no KV cache in a training forward (cf. common.checkpoint_activations)
+        model(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            use_cache=False,
+        )
+    finally:
+        hook.remove()
+    per_token = head_outputs[0][..., 0].float()  # [B, T]
+    return last_token_scores(per_token, attention_mask.to(device))
+
+
+def pair_scores(model, pairs, pad_id, device):
+    """(r_chosen [b], r_rejected [b]) of pairs [(chosen ids, rejected ids)]: both responses of a
+    pair in one forward, so a pair is never split across micro-batches or ranks."""
+    chosen = [c for c, _ in pairs]
+    rejected = [r for _, r in pairs]
+    scores = sequence_scores(model, chosen + rejected, pad_id, device)  # [2b]
+    return scores[: len(pairs)], scores[len(pairs) :]
+
+
+def train_step(args, model, optim, sched, mine, pad_id, device):
+    """One optimizer step on `mine`, this rank's share of the global batch of pairs, with gradient
+    accumulation over micro-batches. Returns the step's metrics."""
+    world = dist.get_world_size()
+    sums = {"loss": 0.0, "correct": 0.0}
+    for start in range(0, len(mine), args.micro_batch_size):
+        micro = mine[start : start + args.micro_batch_size]
+        r_chosen, r_rejected = pair_scores(model, micro, pad_id, device)
+        loss = bradley_terry_loss(r_chosen, r_rejected, args.margin, args.train_batch_size)
+        # FSDP averages gradients over ranks; the loss is already a global pair mean: undo that
+        (loss * world).backward()
+        sums["loss"] += loss.item()
+        sums["correct"] += (r_chosen > r_rejected).sum().item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    grad_norm = grad_norm.full_tensor()  # a DTensor under FSDP2: the norm over all shards
+    optim.step()
+    sched.step()
+    optim.zero_grad(set_to_none=True)
+    totals = common.global_sums(sums, device)  # for logging only: the global batch's sums
+    return {
+        "train/loss": totals["loss"],
+        "train/accuracy": totals["correct"] / args.train_batch_size,
+        "train/lr": sched.get_last_lr()[0],
+        "train/grad_norm": grad_norm.item(),
+    }
+
+
+@torch.no_grad()
+def evaluate(model, pairs, pad_id, batch_size, device):
+    """How the held-out pairs are ranked: the share with r_chosen > r_rejected, the mean margin
+    r_chosen - r_rejected, and the mean of each reward. Collective: every rank scores an equal
+    share (`common.eval_share`)."""
+    mine, counted = common.eval_share(pairs)  # equal shares: every forward is a collective
+    model.eval()
+    chosen = []
+    rejected = []
+    for start in range(0, len(mine), batch_size):
+        r_chosen, r_rejected = pair_scores(model, mine[start : start + batch_size], pad_id, device)
+        chosen.append(r_chosen)
+        rejected.append(r_rejected)
+    model.train()
+    r_chosen = torch.cat(chosen)[:counted]  # [counted]
+    r_rejected = torch.cat(rejected)[:counted]
+    local = {
+        "correct": (r_chosen > r_rejected).sum(),
+        "margin": (r_chosen - r_rejected).sum(),
+        "chosen": r_chosen.sum(),
+        "rejected": r_rejected.sum(),
+        "pairs": counted,
+    }
+    totals = common.global_sums(local, device)  # every rank's share, one collective
+    n = totals["pairs"]
+    return {
+        "eval/accuracy": totals["correct"] / n,
+        "eval/margin": totals["margin"] / n,
+        "eval/reward_chosen": totals["chosen"] / n,
+        "eval/reward_rejected": totals["rejected"] / n,
+    }
+
+
+@torch.no_grad()
+def reward_stats(model, sequences, pad_id, batch_size, device):
+    """(mean, std) of r over `sequences` (chosen responses of the training data): what PPO
+    subtracts and divides by, so that a --kl_coef means the same for any reward model (the
+    normalisation of Ziegler et al. 2019 and Stiennon et al. 2020 [N23 RM #3]). Two passes, like
+    train_ppo.py's whitening. Collective: every rank scores an equal share."""
+    mine, counted = common.eval_share(sequences)
+    model.eval()
+    scores = []
+    for start in range(0, len(mine), batch_size):
+        scores.append(sequence_scores(model, mine[start : start + batch_size], pad_id, device))
+    model.train()
+    r = torch.cat(scores)[:counted].double()  # [counted]
+    totals = common.global_sums({"sum": r.sum(), "n": counted}, device)  # the global mean first
+    mean = totals["sum"] / totals["n"]
+    squares = common.global_sums({"sq": ((r - mean) ** 2).sum()}, device)  # then the spread
+    return mean, math.sqrt(squares["sq"] / totals["n"])
+
+
+def check_batch_sizes(args, world):
+    if args.train_batch_size % world or (args.train_batch_size // world) % args.micro_batch_size:
+        raise SystemExit(
+            f"error: --train_batch_size {args.train_batch_size} must be divisible by "
+            f"--micro_batch_size {args.micro_batch_size} x world size {world}"
+        )
+
+
+def main(args):
+    rank, world, device = common.init_distributed(args.seed, args.timeout_minutes)
+    os.makedirs(args.out_dir, exist_ok=True)
+    check_batch_sizes(args, world)
+    per_rank = args.train_batch_size // world
+    metrics_log = common.MetricsLog(args.out_dir, args.tensorboard)
+
+    model, tok = common.load_model_and_tokenizer(
+        args.model, AutoModelForSequenceClassification, args.attn_implementation, num_labels=1
+    )
+    # A causal LM folder has no reward head: transformers made one from the global RNG, which
+    # differs per rank. A sequence classifier's own head (a reward model trained on) is kept.
+    architectures = model.config.architectures or []
+    if not any(name.endswith("ForSequenceClassification") for name in architectures):
+        init_reward_head(common.value_head(model), args.seed)
+    # The export's pad id, for plain transformers' batched scoring; ours reads the mask.
+    model.config.pad_token_id = tok.pad_token_id
+    # from_pretrained returns eval mode: dropout would be silently off until the first eval
+    model.train()
+    train, held_out = load_data(args, tok, model.config.max_position_embeddings)
+    if args.gradient_checkpointing:
+        common.checkpoint_activations(model)
+    common.shard_model(model, device)
+    optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = get_cosine_schedule_with_warmup(optim, args.warmup_steps, args.max_steps)
+    roles = {"reward_model": (model, optim)}
+
+    start = 0
+    final = checkpoint.resolve(args.out_dir, args.resume)
+    if final:  # the RNG is restored last, inside load: nothing may draw from it before step 1
+        must_match = ["model", "data", "seed", "train_batch_size", "micro_batch_size", "margin"]
+        meta = checkpoint.load(final, roles, vars(args), must_match)
+        sched.load_state_dict(meta["scheduler"])
+        start = meta["step"]
+        metrics_log.truncate(start)
+        common.print0(f"resumed from {final} at step {start}")
+
+    step = start
+    pbar = tqdm(total=args.max_steps, initial=start, disable=rank != 0, desc="rm")
+    for step in range(start + 1, args.max_steps + 1):
+        t0 = time.time()
+        idx, epoch = common.batch_indices(step - 1, len(train), args.train_batch_size, args.seed)
+        my_idx = idx[rank * per_rank : (rank + 1) * per_rank]  # this rank's share of the batch
+        mine = [train[i] for i in my_idx]
+        metrics = train_step(args, model, optim, sched, mine, tok.pad_token_id, device)
+        metrics["train/epoch"] = epoch
+        metrics["time/step_s"] = time.time() - t0
+        is_eval_step = args.eval_every and step % args.eval_every == 0
+        batch = args.micro_batch_size
+        if held_out and (step == args.max_steps or is_eval_step):
+            metrics.update(evaluate(model, held_out, tok.pad_token_id, batch, device))
+            common.print0(f"step {step}: held-out pair accuracy {metrics['eval/accuracy']:.3f}")
+        if step == args.max_steps:
+            # The reward's scale over chosen responses, for PPO's normalisation: in the last
+            # checkpoint's config, and so in the export.
+            first = train[: args.norm_samples]
+            chosen = [c for c, _ in first]
+            mean, std = reward_stats(model, chosen, tok.pad_token_id, batch, device)
+            model.config.reward_mean = mean
+            model.config.reward_std = std
+            metrics["train/reward_mean"] = mean
+            metrics["train/reward_std"] = std
+        metrics_log.log(metrics, step)
+        pbar.update(1)
+        pbar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+
+        meta = {
+            "scheduler": sched.state_dict(),
+            "epoch": epoch,
+            "consumed_samples": step * args.train_batch_size,
+        }
+        saved, stop = common.end_of_step(args, step, device, roles, meta, (model.config, tok))
+        if step == args.max_steps:
+            final = saved
+        if stop:
+            break
+    pbar.close()
+
+    common.finish(args, step, final, "reward_model")  # the export for PPO and transformers
+    dist.barrier()  # nobody tears the group down while rank 0 is still writing
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    common.run(main, Args, LIMITS)
