@@ -64,10 +64,14 @@ run_torchrun() {
   # A quiet console: OMP_NUM_THREADS=1 per process is torchrun's own default (set here, torchrun
   # does not print its banner about it); torch's C++ warnings read their level before any Python
   # runs, so it is set here too. Both are yours to override.
+  # One node: a free port of the system's choosing (two runs on one machine never collide);
+  # several nodes must agree on one, 29500 unless MASTER_PORT says otherwise.
+  local port=${MASTER_PORT:-0}
+  if [ "${NNODES:-1}" != 1 ]; then port=${MASTER_PORT:-29500}; fi
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
   "$PY" -c "$QUIET_TORCHRUN" --nnodes="${NNODES:-1}" --node_rank="${NODE_RANK:-0}" \
-    --rdzv_backend=c10d --rdzv_endpoint="${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" \
+    --rdzv_backend=c10d --rdzv_endpoint="${MASTER_ADDR:-127.0.0.1}:$port" \
     --nproc_per_node="$nproc" --max-restarts="${MAX_RESTARTS:-0}" "$script" "$@" &
   local pid=$! rc=0
   # Preemption: SIGTERM/SIGUSR1 go to the training processes (torchrun's children) only. They finish the
