@@ -341,6 +341,37 @@ def eval_share(items):
     return mine + [items[0]] * (per_rank - counted), counted
 
 
+@torch.no_grad()
+def greedy_accuracy(model, tok, examples, stop_ids, device, batch_size=64):
+    """Exact-match accuracy of greedy decoding on {"prompt", "response"} examples, by the
+    FSDP2-sharded model itself (no unsharded copy): SFT's and DPO's `eval/accuracy`. Collective:
+    every rank decodes its share."""
+    world = dist.get_world_size()
+    mine, counted = eval_share(examples)  # equal shares: no rank may finish early
+    longest = max(len(tok(e["response"], add_special_tokens=False).input_ids) for e in examples)
+    model.eval()
+    right = []  # per example of `mine`
+    for start in range(0, len(mine), batch_size):
+        chunk = mine[start : start + batch_size]
+        prompts = {"input_ids": [encode_prompt(tok, e["prompt"]) for e in chunk]}
+        enc = tok.pad(prompts, padding_side="left", return_tensors="pt").to(device)
+        # synced_gpus: every forward of a sharded model is a collective; ranks step until all stop
+        out = model.generate(
+            **enc,
+            max_new_tokens=longest + 1,  # + EOS
+            do_sample=False,
+            synced_gpus=world > 1,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=stop_ids,  # every id the model may end a response with
+        )
+        texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        right += [t.strip() == e["response"].strip() for t, e in zip(texts, chunk)]
+    model.train()
+    totals = torch.tensor([sum(right[:counted]), counted], dtype=torch.float64, device=device)
+    dist.all_reduce(totals)  # every rank's correct answers and examples
+    return (totals[0] / totals[1]).item()
+
+
 # ---- models --------------------------------------------------------------------------------------
 def shard_model(model, device, offload=False):
     """FSDP2: fully_shard every transformer block (HF names them in _no_split_modules), then the

@@ -6,8 +6,8 @@
 #                                    (`-m "not slow"` for a quick run)
 #   ./launch.sh pipeline         setup, then SFT -> reward model -> PPO against it (the rule logged as
 #                                gold), with a summary; OUT_DIR (default runs/pipeline) holds the runs
-#   ./launch.sh sft|rm|ppo [args]   torchrun train_sft.py / train_rm.py / train_ppo.py: one process
-#                                   per GPU, or 2 on CPU
+#   ./launch.sh sft|rm|ppo|dpo [args]   torchrun train_sft.py / train_rm.py / train_ppo.py /
+#                                       train_dpo.py: one process per GPU, or 2 on CPU
 #   ./launch.sh plot RUN [PNG]   score, KL and accuracy curves of a run (matplotlib)
 #
 # Several nodes: set NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT on every node (torchrun's c10d
@@ -135,6 +135,7 @@ PY
   sft) setup; run_torchrun train_sft.py "$@" ;;
   rm) setup; run_torchrun train_rm.py "$@" ;;
   ppo) setup; run_torchrun train_ppo.py "$@" ;;
+  dpo) setup; run_torchrun train_dpo.py "$@" ;;
   plot) setup; exec "$PY" plot.py "$@" ;;
-  *) echo "usage: ./launch.sh setup|demo|pipeline|test|sft|rm|ppo|plot [args]" >&2; exit 2 ;;
+  *) echo "usage: ./launch.sh setup|demo|pipeline|test|sft|rm|ppo|dpo|plot [args]" >&2; exit 2 ;;
 esac

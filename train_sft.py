@@ -8,8 +8,9 @@ bitwise exactly.
     torchrun --nproc_per_node=2 train_sft.py --out_dir runs/sft [--resume latest]   # embedded task
     torchrun --nproc_per_node=8 train_sft.py --model Qwen/Qwen2.5-0.5B --data my.jsonl
 
-Reading order: `Args`; the math (`encode`, `collate`, `sft_loss`); the phases (`train_step`,
-`greedy_accuracy`); `main`. The plumbing (process group, sharding, logging) is in common.py.
+Reading order: `Args`; the math (`encode`, `collate`, `sft_loss`); the phase `train_step`;
+`main` (held-out greedy accuracy: `common.greedy_accuracy`). The plumbing (process group,
+sharding, logging) is in common.py.
 """
 
 import dataclasses
@@ -212,36 +213,6 @@ def batch_tokens(examples):
     return sum(len(ids) - n_prompt for ids, n_prompt in examples)
 
 
-@torch.no_grad()
-def greedy_accuracy(model, tok, examples, stop_ids, device, batch_size=64):
-    """Exact-match accuracy of greedy decoding on {"prompt", "response"} examples, by the
-    FSDP2-sharded model itself (no unsharded copy). Collective: every rank decodes its share."""
-    world = dist.get_world_size()
-    mine, counted = common.eval_share(examples)  # equal shares: no rank may finish early
-    longest = max(len(tok(e["response"], add_special_tokens=False).input_ids) for e in examples)
-    model.eval()
-    right = []  # per example of `mine`
-    for start in range(0, len(mine), batch_size):
-        chunk = mine[start : start + batch_size]
-        prompts = {"input_ids": [common.encode_prompt(tok, e["prompt"]) for e in chunk]}
-        enc = tok.pad(prompts, padding_side="left", return_tensors="pt").to(device)
-        # synced_gpus: every forward of a sharded model is a collective; ranks step until all stop
-        out = model.generate(
-            **enc,
-            max_new_tokens=longest + 1,  # + EOS
-            do_sample=False,
-            synced_gpus=world > 1,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=stop_ids,  # every id the model may end a response with
-        )
-        texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        right += [t.strip() == e["response"].strip() for t, e in zip(texts, chunk)]
-    model.train()
-    totals = torch.tensor([sum(right[:counted]), counted], dtype=torch.float64, device=device)
-    dist.all_reduce(totals)  # every rank's correct answers and examples
-    return (totals[0] / totals[1]).item()
-
-
 def check_batch_sizes(args, world):
     if args.train_batch_size % world or (args.train_batch_size // world) % args.micro_batch_size:
         raise SystemExit(
@@ -300,7 +271,9 @@ def main(args):
         metrics["time/step_s"] = time.time() - t0
         is_eval_step = args.eval_every and step % args.eval_every == 0
         if held_out and (step == args.max_steps or is_eval_step):
-            metrics["eval/accuracy"] = greedy_accuracy(model, tok, held_out, stop_ids, device)
+            metrics["eval/accuracy"] = common.greedy_accuracy(
+                model, tok, held_out, stop_ids, device
+            )
             common.print0(f"step {step}: held-out accuracy {metrics['eval/accuracy']:.3f}")
         metrics_log.log(metrics, step)
         pbar.update(1)

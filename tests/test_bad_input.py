@@ -305,3 +305,28 @@ def test_gold_reward_needs_a_reward_model(tmp_path):
     args = ("--out_dir", tmp_path, "--max_steps", 1, "--gold_reward_fn", "task:reward_fn")
     p = run_py("train_ppo.py", *args)
     assert_one_line_error(p, "--gold_reward_fn task:reward_fn", "give --reward_model")
+
+
+@pytest.mark.parametrize(
+    "extra,needles",
+    [
+        (["--beta", "0"], ["--beta"]),
+        (["--loss_type", "ipo", "--label_smoothing", "0.1"], ["--label_smoothing", "ipo"]),
+        (["--label_smoothing", "0.5"], ["--label_smoothing 0.5", "below 0.5"]),
+        (["--train_batch_size", "10", "--micro_batch_size", "4"], ["--train_batch_size 10"]),
+        (["--data", "PAIRS"], ["pairs.jsonl:2: expected a string field 'rejected'"]),
+    ],
+    ids=["beta", "ipo-smoothing", "smoothing-half", "batch-sizes", "missing-field"],
+)
+def test_dpo_bad_input(tmp_path, extra, needles):
+    import task
+
+    task.ensure_tiny_model()
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(
+        '{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n{"prompt": "1+1=", "chosen": "2"}\n'
+    )
+    extra = [str(pairs) if a == "PAIRS" else a for a in extra]
+    args = ("--model", task.TINY_MODEL, "--out_dir", tmp_path / "out", "--max_steps", 1)
+    p = run_py("train_dpo.py", *args, *extra)
+    assert_one_line_error(p, *needles)

@@ -221,16 +221,17 @@ def test_readme_cites_functions_that_exist():
 def test_readme_documents_every_flag_and_metric():
     readme = open(os.path.join(REPO, "README.md")).read()
     sys.path.insert(0, REPO)
+    import train_dpo
     import train_ppo
     import train_rm
     import train_sft
 
-    for cls in (train_sft.Args, train_rm.Args, train_ppo.Args):
+    for cls in (train_sft.Args, train_rm.Args, train_ppo.Args, train_dpo.Args):
         missing = [f.name for f in dataclasses.fields(cls) if f"`--{f.name}`" not in readme]
         assert not missing, f"flags missing from the README: {missing}"
     keys = set()
-    pattern = r'"((?:objective|policy|val|train|eval|time|rollout)/\w+)"'
-    for f in ("train_sft.py", "train_rm.py", "train_ppo.py"):
+    pattern = r'"((?:objective|policy|val|train|eval|time|rollout|rewards|logps)/\w+)"'
+    for f in ("train_sft.py", "train_rm.py", "train_ppo.py", "train_dpo.py"):
         keys |= set(re.findall(pattern, open(os.path.join(REPO, f)).read()))
     missing = [k for k in keys if k not in readme]
     assert len(keys) > 20 and not missing, missing

@@ -1,0 +1,84 @@
+"""train_dpo.py under torchrun with 2 ranks: the first loss is log 2, it resumes exactly, its
+held-out accuracy does not fall, and its export loads in plain transformers."""
+
+import math
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import task
+from conftest import assert_same_tensors
+from conftest import latest
+from conftest import metrics
+from conftest import run
+
+pytestmark = pytest.mark.slow
+
+N = 6  # steps of 16 pairs
+
+
+def dpo(out, *extra):
+    args = ("--model", task.TINY_MODEL, "--out_dir", out, "--max_steps", N, "--lr", 1e-3)
+    args += ("--train_batch_size", 16, "--micro_batch_size", 4, "--warmup_steps", 1)
+    args += ("--eval_every", 3, "--eval_samples", 16, "--save_every", 100)
+    return args + extra
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("dpo-straight"))
+    run("train_dpo.py", *dpo(out))
+    return out
+
+
+def test_dpo_first_loss_is_log_2(straight):
+    # step 1 is computed before any update: the policy is the reference, so h = 0 for every pair
+    first = metrics(straight)[1]
+    assert first["step"] == 1
+    assert first["train/loss"] == pytest.approx(math.log(2), rel=1e-6)
+    assert first["rewards/chosen"] == first["rewards/rejected"] == first["rewards/margins"] == 0
+
+
+def test_dpo_logs_its_metrics_and_learns(straight):
+    rows = metrics(straight)
+    assert [r["step"] for r in rows] == list(range(0, N + 1))
+    keys = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+    keys += ("logps/chosen", "logps/rejected", "train/loss", "train/lr", "train/grad_norm")
+    training = rows[1:]  # step 0 is the starting evaluation only
+    for key in keys:
+        assert all(key in r for r in training)
+    last = rows[-1]
+    assert last["rewards/margins"] == pytest.approx(
+        last["rewards/chosen"] - last["rewards/rejected"], abs=1e-5
+    )
+    assert last["train/loss"] < math.log(2) and last["rewards/margins"] > 0  # it learns the pairs
+    # the held-out greedy accuracy at step 0 (the starting model) and at the end: not lower
+    assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[3]
+    assert rows[-1]["eval/accuracy"] >= rows[0]["eval/accuracy"]
+
+
+def test_dpo_resume_is_bitwise_exact(tmp_path, straight):
+    out = str(tmp_path)
+    run("train_dpo.py", *dpo(out, "--stop_at_step", 4))
+    assert latest(out).endswith("step-00000004") and not os.path.exists(os.path.join(out, "hf"))
+    p = run("train_dpo.py", *dpo(out, "--resume", "latest"))
+    assert "at step 4" in p.stdout + p.stderr
+    assert_same_tensors(latest(straight), latest(out))  # weights and optimizer state
+    assert metrics(straight) == metrics(out)  # every step's loss, rewards, logps, eval
+    a = load_file(os.path.join(straight, "hf", "model.safetensors"))
+    b = load_file(os.path.join(out, "hf", "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_dpo_export_loads_in_plain_transformers(straight):
+    from transformers import AutoModelForCausalLM
+
+    hf = os.path.join(straight, "hf")
+    model = AutoModelForCausalLM.from_pretrained(hf)
+    reference = AutoModelForCausalLM.from_pretrained(task.TINY_MODEL)
+    moved = [
+        n for n, p in model.named_parameters() if not torch.equal(p, reference.get_parameter(n))
+    ]
+    assert moved, "the export is the starting model"

@@ -1,0 +1,393 @@
+"""Direct preference optimisation: the policy trained on chosen/rejected pairs, no reward model.
+
+DPO (Rafailov et al. 2023, "Direct Preference Optimization: Your Language Model is Secretly a
+Reward Model"): the KL-regularised reward maximisation that PPO solves by sampling has a closed-form
+optimum, pi*(y|x) ∝ pi_ref(y|x) exp(r(x, y) / beta). Solved for r, the reward of a response is
+beta log(pi(y|x) / pi_ref(y|x)) up to a term of x alone, which cancels between the two responses of
+a pair; the Bradley–Terry loss of train_rm.py on that implicit reward is eq. 7:
+
+    L = -log sigmoid(beta [(log pi(y_c|x) - log ref(y_c|x)) - (log pi(y_r|x) - log ref(y_r|x))])
+
+The policy and the frozen reference both start from the SFT export; the reference is FSDP2-sharded
+like the policy, with no gradients. Pairs are those of train_rm.py (`task.make_pairs` by default).
+Checkpoints, preemption, faults and exact resume as in train_sft.py; the final policy is exported
+as a causal LM that train_ppo.py, vLLM and transformers load.
+
+    torchrun --nproc_per_node=2 train_dpo.py --model runs/sft/hf --out_dir runs/dpo --resume latest
+    torchrun --nproc_per_node=8 train_dpo.py --model my_sft --data pairs.jsonl --beta 0.1
+
+Reading order: `Args`; the math (`encode_pair`, `collate`, `sequence_logprobs`, `dpo_loss`,
+`dpo_statistics`); the phases (`pair_logprobs`, `train_step`); `main` (held-out greedy accuracy:
+`common.greedy_accuracy`). The plumbing (process group, sharding, logging) is in common.py.
+"""
+
+import dataclasses
+import os
+import time
+import typing
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM
+from transformers import get_cosine_schedule_with_warmup
+
+import checkpoint
+import common
+import task
+
+
+@dataclasses.dataclass
+class Args:
+    model: str = "runs/sft/hf"
+    """the SFT export (HF folder or hub id): initialises the policy and the frozen reference"""
+    data: str = ""
+    """training JSONL, one {"prompt": ..., "chosen": ..., "rejected": ...} per line (default: the
+    embedded task's pairs)"""
+    eval_data: str = ""
+    """held-out JSONL of {"prompt": ..., "response": ...} for greedy exact-match accuracy (default:
+    the embedded task's held-out split; none with --data)"""
+    out_dir: str = "runs/dpo"
+    """checkpoints/, metrics.jsonl and the final hf/ export go here"""
+    max_steps: int = 200
+    """optimizer steps in the whole run (the LR schedule spans them)"""
+    save_every: int = 100
+    """save a full checkpoint every this many steps (and at the end)"""
+    keep_last: int = 2
+    """keep this many checkpoints; older ones are pruned after a new one is committed"""
+    resume: str = ""
+    """'latest' (newest checkpoint in out_dir that verifies) or a checkpoint path; empty: start
+    fresh"""
+    seed: int = 42
+    """seeds the data order and every RNG"""
+    train_batch_size: int = 64
+    """pairs per optimizer step, over all ranks"""
+    micro_batch_size: int = 32
+    """pairs per forward/backward on one rank (both responses of a pair in the same one)"""
+    lr: float = 1e-4
+    """peak learning rate (AdamW), after linear warmup, then cosine decay to 0"""
+    warmup_steps: int = 10
+    """linear LR warmup steps"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm to this"""
+    beta: float = 0.1
+    """β of eq. 7: the strength of the implicit KL constraint to the reference (smaller: further)"""
+    label_smoothing: float = 0.0
+    """ε of conservative DPO: the labels are taken as flipped with probability ε (sigmoid loss
+    only)"""
+    loss_type: typing.Literal["sigmoid", "ipo"] = "sigmoid"
+    """sigmoid: DPO's eq. 7; ipo: Azar et al. 2023's squared loss (h - 1/(2β))² on the same
+    log-ratio difference h"""
+    eval_every: int = 50
+    """greedy-decode the held-out set every this many steps (0: only at step 0 and the end)"""
+    eval_samples: int = 256
+    """held-out examples per evaluation"""
+    save_every_minutes: float = 0.0
+    """also save when this many minutes of wall time have passed since the last save (0: off)"""
+    async_save: bool = False
+    """write checkpoints in a background thread while training goes on (published once complete)"""
+    on_save_error: typing.Literal["stop", "warn"] = "stop"
+    """a failed save (disk full, I/O error) stops the run, or warns and trains on; the last good
+    one stays latest"""
+    gradient_checkpointing: bool = False
+    """activation checkpointing on every transformer block of the policy: less memory, about a
+    third more compute"""
+    attn_implementation: str = "auto"
+    """transformers attention: eager, sdpa, ... or auto (eager where the family needs it: Gemma 2's
+    soft-capping, which SDPA drops; else transformers' default)"""
+    timeout_minutes: float = 30.0
+    """a collective waiting longer than this (a peer dead or stuck) fails with an error, not a
+    hang"""
+    tensorboard: bool = False
+    """also write TensorBoard event files to <out_dir>/tensorboard/ (needs `pip install
+    tensorboard`)"""
+    verbose: bool = False
+    """also print what transformers and torch log below errors, their warnings and their loading
+    bars (off: the run's own lines, its progress bar and errors only)"""
+    stop_at_step: int = 0
+    """save and exit after this step, as a preempted run would (for testing resume); 0: never"""
+
+
+# What each number may be, checked when the flags are parsed (`common.check_limits`); every float
+# must also be finite. `--keep_last 0` keeps every checkpoint; 0 turns the *_every flags off.
+LIMITS = {
+    "max_steps": ">= 1",
+    "save_every": ">= 0",
+    "keep_last": ">= 0",
+    "train_batch_size": ">= 1",
+    "micro_batch_size": ">= 1",
+    "lr": ">= 0",
+    "warmup_steps": ">= 0",
+    "max_grad_norm": "> 0",
+    "beta": "> 0",
+    "label_smoothing": ">= 0",
+    "eval_every": ">= 0",
+    "eval_samples": ">= 0",
+    "save_every_minutes": ">= 0",
+    "timeout_minutes": "> 0",
+    "stop_at_step": ">= 0",
+}
+
+
+# ---- the math ----------------------------------------------------------------------------------
+def encode_pair(tok, row, max_len, where):
+    """((chosen ids, n_prompt), (rejected ids, n_prompt)) of a {"prompt", "chosen", "rejected"} row:
+    the prompt's tokens (chat template), the response's, and EOS, as train_rm.py and train_ppo.py
+    encode a finished response. The EOS is a response token: DPO also learns where to stop."""
+    longest = max(row["chosen"], row["rejected"], key=len)
+    common.check_fits(tok, row["prompt"] + longest, max_len, where)
+    prompt = common.encode_prompt(tok, row["prompt"])
+    sequences = []
+    for name in ("chosen", "rejected"):
+        ids = prompt + tok(row[name], add_special_tokens=False).input_ids + [tok.eos_token_id]
+        if len(ids) > max_len:
+            raise SystemExit(
+                f"error: {where}: prompt+{name} is {len(ids)} tokens, longer than the model's "
+                f"context (max_position_embeddings {max_len})"
+            )
+        sequences.append((ids, len(prompt)))
+    return sequences[0], sequences[1]
+
+
+def collate(sequences, pad_id):
+    """Right-padded input_ids, attention_mask and response_mask, each [B, T], from
+    [(ids, n_prompt)]. The response mask comes from the lengths, never from the ids (PAD may equal
+    EOS, and the response's own EOS must count)."""
+    T = max(len(ids) for ids, _ in sequences)
+    input_ids = []
+    attention_mask = []
+    response_mask = []
+    for ids, n_prompt in sequences:
+        pad = T - len(ids)
+        input_ids.append(ids + [pad_id] * pad)
+        attention_mask.append([1] * len(ids) + [0] * pad)
+        response_mask.append([0] * n_prompt + [1] * (len(ids) - n_prompt) + [0] * pad)
+    return torch.tensor(input_ids), torch.tensor(attention_mask), torch.tensor(response_mask)
+
+
+def sequence_logprobs(logits, input_ids, response_mask):
+    """log pi(y|x) = Σ_k log pi(y_k | x, y_<k) over each sequence's response tokens: [B].
+    logits [B, T, V] (position t predicts token t+1, hence the shift), input_ids and
+    response_mask [B, T]. A sum, not a mean: eq. 7 is about the whole response's probability."""
+    logp = logits[:, :-1].float().log_softmax(-1)  # [B, T-1, V]
+    targets = input_ids[:, 1:]  # [B, T-1]
+    per_token = logp.gather(-1, targets[..., None])[..., 0]  # [B, T-1]
+    return (per_token * response_mask[:, 1:]).sum(-1)
+
+
+def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, args, n_pairs):
+    """The DPO loss summed over this micro-batch's pairs and divided by n_pairs, the pairs of the
+    whole global batch (so micro-batches and ranks add up to the global mean). All inputs [b]:
+    summed response logprobs under the policy (with gradient) and the reference.
+    h = (pi_c - ref_c) - (pi_r - ref_r), the difference of log-ratios.
+    sigmoid (eq. 7 of Rafailov et al. 2023), with conservative DPO's label smoothing ε:
+        (1 - ε)·(-log σ(β h)) + ε·(-log σ(-β h))
+    ipo (Azar et al. 2023, eq. 17): (h - 1/(2β))², a regression of h to a finite target."""
+    h = (pi_chosen - ref_chosen) - (pi_rejected - ref_rejected)  # [b]
+    if args.loss_type == "ipo":
+        losses = (h - 1 / (2 * args.beta)) ** 2
+    else:
+        eps = args.label_smoothing
+        losses = -(1 - eps) * F.logsigmoid(args.beta * h) - eps * F.logsigmoid(-args.beta * h)
+    return losses.sum() / n_pairs
+
+
+def dpo_statistics(pi_chosen, pi_rejected, ref_chosen, ref_rejected, beta):
+    """Per-micro-batch sums of TRL's DPO metrics (divided by the global pair count when logged).
+    The implicit reward of a response is β·(log pi - log pi_ref) (eq. 5 of the paper, without the
+    prompt's term, which cancels within a pair). All inputs [b], detached."""
+    reward_chosen = beta * (pi_chosen - ref_chosen)  # [b]
+    reward_rejected = beta * (pi_rejected - ref_rejected)  # [b]
+    return {
+        "rewards/chosen": reward_chosen.sum().item(),
+        "rewards/rejected": reward_rejected.sum().item(),
+        # a pair counts as right when its chosen response has the higher implicit reward
+        "rewards/accuracies": (reward_chosen > reward_rejected).float().sum().item(),
+        "rewards/margins": (reward_chosen - reward_rejected).sum().item(),
+        "logps/chosen": pi_chosen.sum().item(),
+        "logps/rejected": pi_rejected.sum().item(),
+    }
+
+
+# ---- the phases --------------------------------------------------------------------------------
+def load_data(args, tok, max_len):
+    """(training pairs [(chosen, rejected)], held-out {"prompt", "response"} rows)."""
+    if args.data:
+        train = common.load_jsonl(args.data, ("prompt", "chosen", "rejected"))
+    else:
+        train = task.make_pairs("train")
+    if args.eval_data:
+        held_out = common.load_jsonl(args.eval_data, ("prompt", "response"))
+    elif args.data:
+        held_out = []  # a user's data has no held-out split unless --eval_data gives one
+    else:
+        held_out = task.make_split("test")  # the prompts of task.make_pairs("test")
+    source = args.data or "embedded task"
+    train = [encode_pair(tok, row, max_len, f"{source}:{i + 1}") for i, row in enumerate(train)]
+    if len(train) < args.train_batch_size:
+        raise SystemExit(
+            f"error: {source}: {len(train)} pairs, fewer than --train_batch_size "
+            f"{args.train_batch_size}"
+        )
+    return train, held_out[: args.eval_samples]
+
+
+def pair_logprobs(model, pairs, pad_id, device):
+    """(log pi(y_c|x) [b], log pi(y_r|x) [b]) of pairs [(chosen, rejected)]: both responses of a
+    pair in one forward (a collective: the model is sharded), so a pair is never split."""
+    sequences = [c for c, _ in pairs] + [r for _, r in pairs]
+    input_ids, attention_mask, response_mask = collate(sequences, pad_id)
+    # use_cache=False: no KV cache in a training forward (cf. common.checkpoint_activations)
+    logits = model(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        use_cache=False,
+    ).logits
+    logps = sequence_logprobs(logits, input_ids.to(device), response_mask.to(device))  # [2b]
+    return logps[: len(pairs)], logps[len(pairs) :]
+
+
+def train_step(args, model, reference, optim, sched, mine, pad_id, device):
+    """One optimizer step on `mine`, this rank's share of the global batch of pairs, with gradient
+    accumulation over micro-batches; the reference's logprobs per micro-batch, without gradient.
+    Returns the step's metrics (logged under TRL's names)."""
+    world = dist.get_world_size()
+    sums = {"loss": 0.0}
+    for start in range(0, len(mine), args.micro_batch_size):
+        micro = mine[start : start + args.micro_batch_size]
+        with torch.no_grad():
+            ref_chosen, ref_rejected = pair_logprobs(reference, micro, pad_id, device)
+        pi_chosen, pi_rejected = pair_logprobs(model, micro, pad_id, device)
+        loss = dpo_loss(
+            pi_chosen, pi_rejected, ref_chosen, ref_rejected, args, args.train_batch_size
+        )
+        # FSDP averages gradients over ranks; the loss is already a global pair mean: undo that
+        (loss * world).backward()
+        sums["loss"] += loss.item()
+        logps = (pi_chosen.detach(), pi_rejected.detach(), ref_chosen, ref_rejected)
+        for name, value in dpo_statistics(*logps, args.beta).items():
+            sums[name] = sums.get(name, 0.0) + value
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    grad_norm = grad_norm.full_tensor()  # a DTensor under FSDP2: the norm over all shards
+    optim.step()
+    sched.step()
+    optim.zero_grad(set_to_none=True)
+    totals = common.global_sums(sums, device)  # for logging only: the global batch's sums
+    metrics = {"train/loss": totals.pop("loss")}
+    # rewards/* and logps/*: means over the pairs of the global batch, before this step's update
+    metrics.update({name: value / args.train_batch_size for name, value in totals.items()})
+    metrics["train/lr"] = sched.get_last_lr()[0]
+    metrics["train/grad_norm"] = grad_norm.item()
+    return metrics
+
+
+def check_batch_sizes(args, world):
+    if args.train_batch_size % world or (args.train_batch_size // world) % args.micro_batch_size:
+        raise SystemExit(
+            f"error: --train_batch_size {args.train_batch_size} must be divisible by "
+            f"--micro_batch_size {args.micro_batch_size} x world size {world}"
+        )
+
+
+def check_loss_flags(args):
+    if args.loss_type == "ipo" and args.label_smoothing:
+        raise SystemExit("error: --label_smoothing applies to --loss_type sigmoid only, not ipo")
+    if args.label_smoothing >= 0.5:
+        raise SystemExit(
+            f"error: --label_smoothing {args.label_smoothing}: must be below 0.5 (at 0.5 the "
+            f"loss no longer prefers either response)"
+        )
+
+
+def main(args):
+    rank, world, device = common.init_distributed(args.seed, args.timeout_minutes)
+    os.makedirs(args.out_dir, exist_ok=True)
+    check_batch_sizes(args, world)
+    check_loss_flags(args)
+    per_rank = args.train_batch_size // world
+    metrics_log = common.MetricsLog(args.out_dir, args.tensorboard)
+
+    model, tok = common.load_model_and_tokenizer(
+        args.model, AutoModelForCausalLM, args.attn_implementation
+    )
+    # The reference: the same export, frozen, in eval mode (no dropout: its logprobs are those of
+    # pi_ref itself). Loaded before any RNG draw, so a resumed run builds the same one.
+    reference, _ = common.load_model_and_tokenizer(
+        args.model, AutoModelForCausalLM, args.attn_implementation
+    )
+    reference.requires_grad_(False)
+    reference.eval()
+    # from_pretrained returns eval mode: dropout would be silently off until the first eval
+    model.train()
+    # The model folder's generation_config goes to the export unchanged; greedy evaluation runs
+    # with no decoding defaults of the model's own (cf. common.neutral_generation_config).
+    export_generation_config = model.generation_config
+    stop_ids = common.stop_token_ids(tok, export_generation_config)
+    model.generation_config = common.neutral_generation_config(stop_ids, tok.pad_token_id)
+    train, held_out = load_data(args, tok, model.config.max_position_embeddings)
+    if args.gradient_checkpointing:
+        common.checkpoint_activations(model)
+    common.shard_model(model, device)
+    common.shard_model(reference, device)
+    optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = get_cosine_schedule_with_warmup(optim, args.warmup_steps, args.max_steps)
+    roles = {"model": (model, optim)}  # the reference is the export itself: never saved
+
+    start = 0
+    final = checkpoint.resolve(args.out_dir, args.resume)
+    if final:  # the RNG is restored last, inside load: nothing may draw from it before step 1
+        must_match = ["model", "data", "seed", "train_batch_size", "micro_batch_size"]
+        must_match += ["beta", "label_smoothing", "loss_type"]
+        meta = checkpoint.load(final, roles, vars(args), must_match)
+        sched.load_state_dict(meta["scheduler"])
+        start = meta["step"]
+        metrics_log.truncate(start)
+        common.print0(f"resumed from {final} at step {start}")
+    elif held_out:
+        # step 0: the starting policy's accuracy, what DPO must not lose (greedy: no RNG drawn)
+        accuracy = common.greedy_accuracy(model, tok, held_out, stop_ids, device)
+        metrics_log.log({"eval/accuracy": accuracy}, 0)
+        common.print0(f"step 0: held-out accuracy {accuracy:.3f}")
+
+    step = start
+    pbar = tqdm(total=args.max_steps, initial=start, disable=rank != 0, desc="dpo")
+    for step in range(start + 1, args.max_steps + 1):
+        t0 = time.time()
+        idx, epoch = common.batch_indices(step - 1, len(train), args.train_batch_size, args.seed)
+        my_idx = idx[rank * per_rank : (rank + 1) * per_rank]  # this rank's share of the batch
+        mine = [train[i] for i in my_idx]
+        pad_id = tok.pad_token_id
+        metrics = train_step(args, model, reference, optim, sched, mine, pad_id, device)
+        metrics["train/epoch"] = epoch
+        metrics["time/step_s"] = time.time() - t0
+        is_eval_step = args.eval_every and step % args.eval_every == 0
+        if held_out and (step == args.max_steps or is_eval_step):
+            metrics["eval/accuracy"] = common.greedy_accuracy(
+                model, tok, held_out, stop_ids, device
+            )
+            common.print0(f"step {step}: held-out accuracy {metrics['eval/accuracy']:.3f}")
+        metrics_log.log(metrics, step)
+        pbar.update(1)
+        pbar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+
+        meta = {
+            "scheduler": sched.state_dict(),
+            "epoch": epoch,
+            "consumed_samples": step * args.train_batch_size,
+        }
+        hf_objs = (model.config, tok, export_generation_config)
+        saved, stop = common.end_of_step(args, step, device, roles, meta, hf_objs)
+        if step == args.max_steps:
+            final = saved
+        if stop:
+            break
+    pbar.close()
+
+    common.finish(args, step, final)  # the export for PPO, vLLM and transformers; a summary
+    dist.barrier()  # nobody tears the group down while rank 0 is still writing
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    common.run(main, Args, LIMITS)
