@@ -85,11 +85,16 @@ def test_rm_export_loads_in_plain_transformers(straight):
         theirs = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0]
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    # A 1-rank group for the collective scoring; an earlier test module may have left one
+    # (tests/test_ppo_math.py's fixture does), then it is reused and left in place.
+    ours_group = not dist.is_initialized()
+    if ours_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         ours = train_ppo.reward_model_scores(model, seqs, tok.pad_token_id, 8, "cpu")
     finally:
-        dist.destroy_process_group()
+        if ours_group:
+            dist.destroy_process_group()
     assert torch.allclose(theirs, ours, atol=1e-5)
 
 
