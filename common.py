@@ -317,6 +317,16 @@ def encode_prompt(tok, prompt):
     return tok(prompt).input_ids
 
 
+def check_batch_sizes(args, world):
+    """--train_batch_size examples per step split evenly over the ranks, and each rank's share
+    into whole micro-batches (SFT, RM and DPO; PPO's rollout batch has its own rule)."""
+    if args.train_batch_size % world or (args.train_batch_size // world) % args.micro_batch_size:
+        raise SystemExit(
+            f"error: --train_batch_size {args.train_batch_size} must be divisible by "
+            f"--micro_batch_size {args.micro_batch_size} x world size {world}"
+        )
+
+
 def batch_indices(step, n, batch_size, seed):
     """(global example indices of optimizer step `step`, epoch). A pure function of (seed, step), so
     resuming at any step (or on another world size) lands on exactly the same data; no sampler state

@@ -282,14 +282,6 @@ def train_step(args, model, reference, optim, sched, mine, pad_id, device):
     return metrics
 
 
-def check_batch_sizes(args, world):
-    if args.train_batch_size % world or (args.train_batch_size // world) % args.micro_batch_size:
-        raise SystemExit(
-            f"error: --train_batch_size {args.train_batch_size} must be divisible by "
-            f"--micro_batch_size {args.micro_batch_size} x world size {world}"
-        )
-
-
 def check_loss_flags(args):
     if args.loss_type == "ipo" and args.label_smoothing:
         raise SystemExit("error: --label_smoothing applies to --loss_type sigmoid only, not ipo")
@@ -303,7 +295,7 @@ def check_loss_flags(args):
 def main(args):
     rank, world, device = common.init_distributed(args.seed, args.timeout_minutes)
     os.makedirs(args.out_dir, exist_ok=True)
-    check_batch_sizes(args, world)
+    common.check_batch_sizes(args, world)
     check_loss_flags(args)
     per_rank = args.train_batch_size // world
     metrics_log = common.MetricsLog(args.out_dir, args.tensorboard)

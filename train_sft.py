@@ -213,18 +213,10 @@ def batch_tokens(examples):
     return sum(len(ids) - n_prompt for ids, n_prompt in examples)
 
 
-def check_batch_sizes(args, world):
-    if args.train_batch_size % world or (args.train_batch_size // world) % args.micro_batch_size:
-        raise SystemExit(
-            f"error: --train_batch_size {args.train_batch_size} must be divisible by "
-            f"--micro_batch_size {args.micro_batch_size} x world size {world}"
-        )
-
-
 def main(args):
     rank, world, device = common.init_distributed(args.seed, args.timeout_minutes)
     os.makedirs(args.out_dir, exist_ok=True)
-    check_batch_sizes(args, world)
+    common.check_batch_sizes(args, world)
     per_rank = args.train_batch_size // world
     metrics_log = common.MetricsLog(args.out_dir, args.tensorboard)
 
