@@ -175,8 +175,8 @@ def watch_signals():
 
 
 def print0(*parts):
-    """print on rank 0 only, above the progress bar."""
-    if dist.get_rank() == 0:
+    """print on rank 0 only (or in a process with no group), above the progress bar."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
         tqdm.write(" ".join(str(x) for x in parts))
 
 

@@ -457,11 +457,8 @@ def build_models(args, device):
         reward_model.config.pad_token_id = reward_tok.pad_token_id
         models.reward_model = reward_model.requires_grad_(False)
         models.reward_tokenizer = reward_tok
-        mean = getattr(reward_model.config, "reward_mean", None)
-        std = getattr(reward_model.config, "reward_std", None)
-        # a reward model that scores every reference response alike (std 0) has no scale to use
-        if args.reward_norm and mean is not None and std is not None and std > 0:
-            models.reward_norm = (mean, std)
+        if args.reward_norm:
+            models.reward_norm = reward_normalisation(reward_model.config, args.reward_model)
     if args.gradient_checkpointing:  # the trained models; the frozen ones keep no activations
         common.checkpoint_activations(actor)
         if models.critic is not None:
@@ -480,6 +477,30 @@ def build_models(args, device):
         critic_optim = torch.optim.AdamW(models.critic.parameters(), lr=args.critic_lr, eps=1e-5)
         roles["critic"] = (models.critic, critic_optim)
     return models, tok, roles
+
+
+def reward_normalisation(config, where):
+    """(reward_mean, reward_std) from a reward model's config.json, checked, or None: use the raw
+    score. train_rm.py writes both; a folder from elsewhere may have neither (said once, then the
+    raw score), or crafted ones (a one-line error, not a NaN reward three phases later)."""
+    mean = getattr(config, "reward_mean", None)
+    std = getattr(config, "reward_std", None)
+    if mean is None and std is None:
+        common.print0(f"{where}: config.json has no reward_mean/reward_std; using the raw score")
+        return None
+    for name, value in (("reward_mean", mean), ("reward_std", std)):
+        # bool is an int in Python, and a JSON true is no statistic
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SystemExit(f"{where}/config.json: {name} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise SystemExit(f"{where}/config.json: {name} must be finite, got {value!r}")
+    if std < 0:
+        raise SystemExit(f"{where}/config.json: reward_std must be >= 0, got {std!r}")
+    if std == 0:
+        # every reference response scored alike: there is no scale to divide by
+        common.print0(f"{where}: config.json has reward_std 0; using the raw score")
+        return None
+    return (float(mean), float(std))
 
 
 def load_prompts(rows, tok, max_new_tokens, context, source):

@@ -105,3 +105,29 @@ def test_carry_forgotten():
     assert task.carry_forgotten(37, 45) == 72
     assert task.carry_forgotten(99, 1) == 90
     assert task.carry_forgotten(12, 34) == 46  # no carry: the right sum
+
+
+def test_reward_normalisation_is_read_checked_from_the_config(capsys):
+    from types import SimpleNamespace
+
+    def norm(**fields):
+        return train_ppo.reward_normalisation(SimpleNamespace(**fields), "rm")
+
+    assert norm(reward_mean=0.5, reward_std=2) == (0.5, 2.0)
+    # none recorded (a reward model from elsewhere): the raw score, and a line saying so
+    assert norm() is None
+    assert "no reward_mean/reward_std; using the raw score" in capsys.readouterr().out
+    # std 0: every reference response scored alike, nothing to divide by: raw, said
+    assert norm(reward_mean=1.0, reward_std=0.0) is None
+    assert "reward_std 0; using the raw score" in capsys.readouterr().out
+    bad = [
+        ({"reward_mean": 1.0}, "reward_std must be a number, got None"),
+        ({"reward_mean": "1", "reward_std": 1.0}, "reward_mean must be a number, got '1'"),
+        ({"reward_mean": 0.0, "reward_std": True}, "reward_std must be a number, got True"),
+        ({"reward_mean": math.nan, "reward_std": 1.0}, "reward_mean must be finite, got nan"),
+        ({"reward_mean": 0.0, "reward_std": math.inf}, "reward_std must be finite, got inf"),
+        ({"reward_mean": 0.0, "reward_std": -1.0}, "reward_std must be >= 0, got -1.0"),
+    ]
+    for fields, message in bad:
+        with pytest.raises(SystemExit, match=f"^rm/config.json: {message}$"):
+            norm(**fields)
