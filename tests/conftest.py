@@ -170,3 +170,25 @@ def dropout_model(tmp_path_factory):
     json.dump(cfg, open(d / "config.json", "w"))
     task.ensure_tiny_model(str(d))
     return str(d)
+
+
+@pytest.fixture(scope="session")
+def memorised_sft(tmp_path_factory):
+    """A start with something to lose, fast: the tiny model SFT-trained on 16 held-out sums until it
+    answers them all (80 steps, 100% greedy on them, checked). Returns (its hf/ export, those 16
+    examples as a JSONL for --eval_data, their preference pairs as a JSONL for --data)."""
+    d = tmp_path_factory.mktemp("memorised")
+    examples = task.make_split("test")[:16]
+    pairs = task.make_pairs("test")[:16]  # the same prompts, in the same order
+    eval_path = str(d / "eval.jsonl")
+    pairs_path = str(d / "pairs.jsonl")
+    with open(eval_path, "w") as f:
+        f.writelines(json.dumps(ex) + "\n" for ex in examples)
+    with open(pairs_path, "w") as f:
+        f.writelines(json.dumps(pair) + "\n" for pair in pairs)
+    out = str(d / "sft")
+    args = ("--data", eval_path, "--eval_data", eval_path, "--out_dir", out, "--max_steps", 80)
+    args += ("--train_batch_size", 16, "--micro_batch_size", 8, "--warmup_steps", 5)
+    run("train_sft.py", *args, "--eval_every", 0, "--eval_samples", 16, "--save_every", 0)
+    assert metrics(out)[-1]["eval/accuracy"] == 1.0
+    return os.path.join(out, "hf"), eval_path, pairs_path
