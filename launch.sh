@@ -5,7 +5,8 @@
 #   ./launch.sh test [pytest args]   setup, ruff check + ruff format --check, then the test suite
 #                                    (`-m "not slow"` for a quick run)
 #   ./launch.sh pipeline         setup, then SFT -> reward model -> PPO against it (the rule logged as
-#                                gold), with a summary; OUT_DIR (default runs/pipeline) holds the runs
+#                                gold), with a summary; OUT_DIR (default runs/pipeline) holds the runs;
+#                                SFT_ARGS, RM_ARGS, PPO_ARGS add flags to a stage (the later one wins)
 #   ./launch.sh sft|rm|ppo|dpo [args]   torchrun train_sft.py / train_rm.py / train_ppo.py /
 #                                       train_dpo.py: one process per GPU, or 2 on CPU
 #   ./launch.sh plot RUN [PNG]   score, KL and accuracy curves of a run (matplotlib)
@@ -110,12 +111,13 @@ PY
     out=${OUT_DIR:-runs/pipeline}
     # --resume latest: a stopped pipeline continues where it stopped; rm -rf "$out" starts over
     t0=$(date +%s)
-    run_torchrun train_sft.py --out_dir "$out/sft" --max_steps 400 --resume latest
+    # ${X_ARGS:-} unquoted on purpose: split into flags (argparse keeps the last of a repeated one)
+    run_torchrun train_sft.py --out_dir "$out/sft" --max_steps 400 --resume latest ${SFT_ARGS:-}
     t1=$(date +%s)
-    run_torchrun train_rm.py --model "$out/sft/hf" --out_dir "$out/rm" --resume latest
+    run_torchrun train_rm.py --model "$out/sft/hf" --out_dir "$out/rm" --resume latest ${RM_ARGS:-}
     t2=$(date +%s)
     run_torchrun train_ppo.py --model "$out/sft/hf" --reward_model "$out/rm/hf" \
-      --gold_reward_fn task:reward_fn --out_dir "$out/ppo" --resume latest
+      --gold_reward_fn task:reward_fn --out_dir "$out/ppo" --resume latest ${PPO_ARGS:-}
     t3=$(date +%s)
     "$PY" - "$out" "$t0" "$t1" "$t2" "$t3" <<'PY'
 import json

@@ -83,17 +83,28 @@ def near_miss(a, b, rng):
     return wrong[0]
 
 
-def make_pairs(split):
+def make_pairs(split, per_prompt=1):
     """Preference pairs {"prompt": "37+45=", "chosen": "82", "rejected": "72"} of split "train" or
-    "test": the same prompts as `make_split`, the right sum chosen, a near miss rejected."""
+    "test": the same prompts as `make_split`, the right sum chosen, a near miss rejected;
+    `per_prompt` distinct near misses for each prompt (fewer where a few draws find no more: 0+1
+    has few), the pairs of a prompt together. One per prompt (the held-out pairs, DPO's) draws once
+    per prompt, as this function always did: those pairs never change with the option."""
     rng = random.Random(f"{PAIR_SEED}-{split}")
     pairs = []
     for example in make_split(split):
         a, b = example["prompt"].rstrip("=").split("+")
-        rejected = near_miss(int(a), int(b), rng)
-        pairs.append(
-            {"prompt": example["prompt"], "chosen": example["response"], "rejected": rejected}
-        )
+        rejected = []
+        # bounded, so that a prompt with fewer near misses than asked ends the search
+        for _ in range(3 * per_prompt):
+            wrong = near_miss(int(a), int(b), rng)
+            if wrong not in rejected:
+                rejected.append(wrong)
+            if len(rejected) == per_prompt:
+                break
+        for wrong in rejected:
+            pairs.append(
+                {"prompt": example["prompt"], "chosen": example["response"], "rejected": wrong}
+            )
     return pairs
 
 

@@ -67,12 +67,16 @@ class Args:
     """pairs per optimizer step, over all ranks"""
     micro_batch_size: int = 32
     """pairs per forward/backward on one rank (both responses of a pair in the same one)"""
-    lr: float = 1e-3
+    lr: float = 3e-4
     """peak learning rate (AdamW), after linear warmup, then cosine decay to 0"""
     warmup_steps: int = 10
     """linear LR warmup steps"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this"""
+    pairs_per_prompt: int = 4
+    """embedded task only: near misses per training prompt (more pairs with a digit off by one,
+    which the model must add to judge; the held-out pairs keep one each, so eval/accuracy means the
+    same at every setting)"""
     margin: float = 0.0
     """the chosen response must beat the rejected one by this much: -logsigmoid(r_c - r_r - m)"""
     norm_samples: int = 1024
@@ -118,6 +122,7 @@ LIMITS = {
     "micro_batch_size": ">= 1",
     "lr": ">= 0",
     "warmup_steps": ">= 0",
+    "pairs_per_prompt": ">= 1",
     "max_grad_norm": "> 0",
     "margin": ">= 0",
     "norm_samples": ">= 2",
@@ -191,7 +196,7 @@ def load_data(args, tok, max_len):
     if args.data:
         train = common.load_jsonl(args.data, fields)
     else:
-        train = task.make_pairs("train")
+        train = task.make_pairs("train", args.pairs_per_prompt)
     if args.eval_data:
         held_out = common.load_jsonl(args.eval_data, fields)
     elif args.data:

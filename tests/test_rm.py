@@ -24,6 +24,7 @@ def rm(out, *extra):
     args = ("--model", task.TINY_MODEL, "--out_dir", out, "--max_steps", N)
     args += ("--train_batch_size", 16, "--micro_batch_size", 4, "--warmup_steps", 2)
     args += ("--eval_every", 3, "--eval_samples", 16, "--norm_samples", 32, "--save_every", 100)
+    args += ("--pairs_per_prompt", 1)  # a quarter of the pairs to encode at start-up
     return args + extra
 
 

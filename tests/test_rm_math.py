@@ -101,6 +101,26 @@ def test_pairs_are_deterministic_wrong_and_held_out():
     assert len(near) > 0.9 * len(train)
 
 
+def test_several_near_misses_per_prompt():
+    one = task.make_pairs("train")
+    four = task.make_pairs("train", per_prompt=4)
+    by_prompt = {}
+    for row in four:
+        assert row["rejected"] != row["chosen"] and row["rejected"].isdigit()
+        by_prompt.setdefault(row["prompt"], []).append(row["rejected"])
+    assert list(by_prompt) == [r["prompt"] for r in one]  # every prompt, in order
+    assert all(len(set(wrong)) == len(wrong) <= 4 for wrong in by_prompt.values())
+    assert len(four) > 3.9 * len(one)  # only a few small sums have fewer than four
+    # one per prompt is what it always was: the held-out pairs do not move with the option
+    assert task.make_pairs("test", per_prompt=1) == task.make_pairs("test")
+    # pinned: the pairs every measured number in the README was taken on
+    assert task.make_pairs("test")[:3] == [
+        {"prompt": "13+54=", "chosen": "67", "rejected": "68"},
+        {"prompt": "26+16=", "chosen": "42", "rejected": "4"},
+        {"prompt": "86+57=", "chosen": "143", "rejected": "1433"},
+    ]
+
+
 def test_carry_forgotten():
     assert task.carry_forgotten(37, 45) == 72
     assert task.carry_forgotten(99, 1) == 90
