@@ -52,9 +52,9 @@ class Args:
     --data)"""
     out_dir: str = "runs/rm"
     """checkpoints/, metrics.jsonl and the final hf/ export go here"""
-    max_steps: int = 300
+    max_steps: int = 1000
     """optimizer steps in the whole run (the LR schedule spans them)"""
-    save_every: int = 100
+    save_every: int = 250
     """save a full checkpoint every this many steps (and at the end)"""
     keep_last: int = 2
     """keep this many checkpoints; older ones are pruned after a new one is committed"""
@@ -67,7 +67,7 @@ class Args:
     """pairs per optimizer step, over all ranks"""
     micro_batch_size: int = 32
     """pairs per forward/backward on one rank (both responses of a pair in the same one)"""
-    lr: float = 3e-4
+    lr: float = 1e-3
     """peak learning rate (AdamW), after linear warmup, then cosine decay to 0"""
     warmup_steps: int = 10
     """linear LR warmup steps"""
@@ -82,7 +82,7 @@ class Args:
     norm_samples: int = 1024
     """chosen responses of the training data scored at the end for the reward's mean and std
     (config.json's reward_mean and reward_std, which PPO normalises with)"""
-    eval_every: int = 50
+    eval_every: int = 250
     """score the held-out pairs every this many steps (0: only at the end)"""
     eval_samples: int = 1000
     """held-out pairs per evaluation"""

@@ -1,6 +1,6 @@
-"""Run by tests/test_ppo.py and tests/test_families.py: an exported folder loads with plain
-transformers and with plain vLLM (each with the folder's own tokenizer and config), and both decode
-the same greedy answers, token for token.
+"""Run by tests/test_ppo.py, tests/test_families.py and tests/test_dpo.py: an exported folder
+loads with plain transformers and with plain vLLM (each with the folder's own tokenizer and
+config), and both decode the same greedy answers, token for token.
 
 Both get the same prompt ids (the chat template's user turn when the folder has one, as training
 used) and stop at the same ids (the tokenizer's EOS and the generation config's). Greedy with no

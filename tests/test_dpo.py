@@ -1,6 +1,6 @@
 """train_dpo.py under torchrun with 2 ranks, from an SFT start that answers 16 sums right and on
 those sums' pairs: the first loss is log 2, it resumes exactly, its greedy accuracy does not fall,
-and its export loads in plain transformers."""
+and its export loads in plain transformers and vLLM."""
 
 import math
 import os
@@ -13,6 +13,7 @@ from conftest import assert_same_tensors
 from conftest import latest
 from conftest import metrics
 from conftest import run
+from conftest import run_py
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +79,7 @@ def test_dpo_resume_is_bitwise_exact(tmp_path, straight, memorised_sft):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_dpo_export_loads_in_plain_transformers(straight, memorised_sft):
+def test_dpo_export_loads_in_plain_transformers_and_vllm(straight, memorised_sft):
     from transformers import AutoModelForCausalLM
 
     hf = os.path.join(straight, "hf")
@@ -88,3 +89,6 @@ def test_dpo_export_loads_in_plain_transformers(straight, memorised_sft):
         n for n, p in model.named_parameters() if not torch.equal(p, reference.get_parameter(n))
     ]
     assert moved, "the export is the starting model"
+    # and vLLM (the engine PPO would start from it with) decodes the same greedy tokens
+    p = run_py("tests/roundtrip_check.py", hf)
+    assert p.returncode == 0 and "ROUNDTRIP_OK" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
