@@ -1,0 +1,234 @@
+"""Checkpoints straight to an object store (issue 15): a real S3 server on 127.0.0.1 (moto's
+standalone server) and s3fs as the client. Save, exact resume, verify and export against it; kills
+during saves; a corrupted object; the server gone mid-save."""
+
+import os
+import random
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import REPO
+from conftest import TORCHRUN
+from conftest import assert_same_tensors
+from conftest import kill_tree
+from conftest import latest
+from conftest import logged_steps
+from conftest import metrics
+from conftest import run
+from conftest import run_py
+
+s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (requirements-cpu.txt pins it)")
+moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed")
+
+pytestmark = pytest.mark.slow
+N = 6
+BUCKET = "plainrlhf-test"
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+class Proxy:
+    """A TCP forwarder in front of the server: stop() is the server vanishing mid-save for the
+    client (the server itself, and what it stores, stay for the test to inspect)."""
+
+    def __init__(self, port):
+        self.target = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.conns = []
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target))
+            self.conns += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self.pipe, args=(a, b), daemon=True).start()
+
+    def pipe(self, a, b):
+        try:
+            data = a.recv(1 << 16)
+            while data:
+                b.sendall(data)
+                data = a.recv(1 << 16)
+        except OSError:
+            pass
+        for s in (a, b):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def stop(self):
+        self.listener.close()
+        for s in self.conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+@pytest.fixture(scope="module")
+def store():
+    """The server; its endpoint in this process's environment (torchrun's children inherit it)."""
+    saved = {k: os.environ.get(k) for k in [*CREDENTIALS, "AWS_ENDPOINT_URL_S3"]}
+    os.environ.update(CREDENTIALS)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ["AWS_ENDPOINT_URL_S3"] = f"http://{host}:{port}"
+    fs = s3fs.S3FileSystem()
+    fs.mkdir(BUCKET)
+    yield fs, port
+    server.stop()
+    for k, v in saved.items():
+        os.environ.pop(k, None)
+        if v is not None:
+            os.environ[k] = v
+
+
+def sft(out, data, *extra):
+    args = ("--data", data, "--eval_data", data, "--eval_samples", 16, "--train_batch_size", 16)
+    args += ("--micro_batch_size", 4, "--max_steps", N, "--eval_every", 3, "--save_every", 100)
+    args += ("--warmup_steps", 2, "--out_dir", out, *extra)
+    return args
+
+
+def fetch(fs, url, local):
+    """A copy of everything under url/ in the local folder (to compare tensors, metrics)."""
+    fs.invalidate_cache()
+    fs.get(url.rstrip("/") + "/", str(local), recursive=True)
+    return str(local)
+
+
+def store_latest(fs, url):
+    fs.invalidate_cache()
+    return fs.cat_file(f"{url}/checkpoints/latest").decode().strip()
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, addition_jsonl):
+    """The uninterrupted run, on local disk."""
+    out = str(tmp_path_factory.mktemp("straight"))
+    run("train_sft.py", *sft(out, addition_jsonl, "--save_every", 2))
+    return out
+
+
+def test_sft_save_resume_verify_export(store, straight, addition_jsonl, tmp_path):
+    """Stop at step 3, plant an unfinished save, resume on a fresh local folder: the same tensors,
+    metrics and export as the straight local run; verify and export work on store URLs."""
+    fs, _ = store
+    url = f"s3://{BUCKET}/sft"
+    local = str(tmp_path / "logs")
+    first = ("--save_every", 2, "--stop_at_step", 3, "--local_dir", tmp_path / "first")
+    run("train_sft.py", *sft(url, addition_jsonl, *first))
+    assert store_latest(fs, url) == "step-00000003"
+    # a save killed before its manifest: objects under a prefix with no manifest
+    fs.pipe_file(f"{BUCKET}/sft/checkpoints/step-00000005/dcp/__0_0.distcp", b"half")
+    # a new machine: no local logs, they come from the store
+    run("train_sft.py", *sft(url, addition_jsonl, "--resume", "latest", "--local_dir", local))
+    fs.invalidate_cache()
+    assert not fs.exists(f"{BUCKET}/sft/checkpoints/step-00000005/dcp/__0_0.distcp")
+    assert not fs.exists(f"{BUCKET}/sft/.lock")  # released at the clean exit
+    copy = fetch(fs, url, tmp_path / "copy")
+    assert_same_tensors(latest(straight), latest(copy))
+    assert metrics(copy) == metrics(straight)
+    assert metrics(local) == metrics(straight)
+    want = load_file(os.path.join(straight, "hf", "model.safetensors"))
+    got = load_file(os.path.join(copy, "hf", "model.safetensors"))
+    assert want.keys() == got.keys() and all((want[k] == got[k]).all() for k in want)
+    ckpt = f"{url}/checkpoints/step-{N:08d}"
+    p = run_py("checkpoint.py", "verify", ckpt)
+    assert p.returncode == 0 and f"ok, step {N}" in p.stdout, p.stderr
+    p = run_py("checkpoint.py", "export", ckpt, tmp_path / "export")
+    assert p.returncode == 0, p.stderr
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert all((want[k] == exported[k]).all() for k in want)
+
+
+def test_corrupted_object_is_detected_with_fallback(store, straight, addition_jsonl, tmp_path):
+    """A flipped byte in the latest checkpoint's shard: verify names the object, resume falls back
+    to the one before and ends in the straight run's weights."""
+    fs, _ = store
+    url = f"s3://{BUCKET}/corrupt"
+    logs = ("--local_dir", tmp_path / "logs")
+    run("train_sft.py", *sft(url, addition_jsonl, "--save_every", 2, "--stop_at_step", 4, *logs))
+    shard = f"{BUCKET}/corrupt/checkpoints/step-00000004/dcp/__1_0.distcp"
+    data = bytearray(fs.cat_file(shard))
+    data[len(data) // 2] ^= 1
+    fs.pipe_file(shard, bytes(data))
+    p = run_py("checkpoint.py", "verify", f"{url}/checkpoints/step-00000004")
+    assert p.returncode == 1 and "__1_0.distcp: checksum mismatch" in p.stderr, p.stderr
+    p = run(
+        "train_sft.py", *sft(url, addition_jsonl, "--save_every", 2, "--resume", "latest", *logs)
+    )
+    assert "skipping checkpoint step-00000004" in p.stdout + p.stderr
+    assert "at step 2" in p.stdout + p.stderr
+    assert_same_tensors(latest(straight), latest(fetch(fs, url, tmp_path / "copy")))
+
+
+def popen(url, data, *extra, env=None):
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", os.path.join(REPO, "train_sft.py")]
+    cmd += [*map(str, sft(url, data, *extra))]
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def test_sigkills_during_saves_then_resume(store, straight, addition_jsonl, tmp_path):
+    """SIGKILL the whole tree at random moments while every step saves, then --resume latest,
+    until the run completes: the straight run's weights."""
+    fs, _ = store
+    url = f"s3://{BUCKET}/kills"
+    local = str(tmp_path / "logs")
+    rng = random.Random(15)
+    flags = ("--save_every", 1, "--keep_last", 2, "--resume", "latest", "--local_dir", local)
+    for attempt in range(4):
+        proc = popen(url, addition_jsonl, *flags)
+        if attempt < 3:
+            done = logged_steps(local)
+            t0 = time.time()
+            while logged_steps(local) <= done and proc.poll() is None and time.time() - t0 < 300:
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 1.5))  # the next save is under way, or about to be
+            kill_tree(proc.pid)
+            continue
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-3000:]
+    assert_same_tensors(latest(straight), latest(fetch(fs, url, tmp_path / "copy")))
+
+
+def test_server_gone_mid_save_is_one_clear_error(store, addition_jsonl, tmp_path):
+    """The store unreachable while a save is written: one error line, exit 1; in the store, the
+    previous checkpoint is still latest and verifies."""
+    fs, port = store
+    proxy = Proxy(port)
+    url = f"s3://{BUCKET}/gone"
+    local = str(tmp_path / "logs")
+    env = {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{proxy.port}", "AWS_MAX_ATTEMPTS": "2"}
+    proc = popen(url, addition_jsonl, "--save_every", 1, "--local_dir", local, env=env)
+    t0 = time.time()
+    while logged_steps(local) < 3 and proc.poll() is None and time.time() - t0 < 300:
+        time.sleep(0.01)
+    proxy.stop()
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 1, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert errors and "not saved" in errors[0] and "is intact and latest" in errors[0], out[-3000:]
+    kept = store_latest(fs, url)
+    assert kept in errors[0]
+    p = run_py("checkpoint.py", "verify", f"{url}/checkpoints/{kept}")
+    assert p.returncode == 0, p.stderr
