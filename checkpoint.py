@@ -715,7 +715,7 @@ def _write_small_files(tmp, step, roles, meta, hf_objs):
     with tempfile.TemporaryDirectory() as local:  # save_pretrained writes local files only
         for obj in hf_objs:
             obj.save_pretrained(local)
-        objstore.upload_folder(local, os.path.join(tmp, "hf"))
+        objstore.upload_folder(os.path.join(tmp, "hf"), local)
 
 
 def _put(path, text):
@@ -749,6 +749,7 @@ def commit():
         return None
     if not _agree(publish, tmp, name, on_error):
         return None
+    _run["latest"] = name  # every rank: `publish` succeeded on rank 0
     if dist.get_rank() == 0:
         _prune(root, step, keep_last)
     return final
@@ -783,7 +784,6 @@ def _publish_store(final, root, name, step):
     manifest = {"step": step, "files": files}
     objstore.write_bytes(os.path.join(final, "manifest.json"), json.dumps(manifest).encode())
     objstore.write_bytes(os.path.join(root, "latest"), (name + "\n").encode())
-    _run["latest"] = name
 
 
 def _prune(root, step, keep_last):
@@ -824,14 +824,16 @@ def resolve(out_dir, resume):
     """Collective, before the run writes anything to out_dir: rank 0 takes the run lock, removes
     what killed runs left, and picks the checkpoint to resume from ('' = start fresh); every rank
     gets the pick and the run's id (its temp dirs' names)."""
-    choice = ["", None, None]  # [path, error, run id]
+    choice = ["", None, None, None]  # [path, error, run id, latest (on a store)]
     if dist.get_rank() == 0:
-        choice = _start(out_dir, resume)
+        result = _start(out_dir, resume)
+        choice[: len(result)] = result
     # all ranks load the very same checkpoint and name temp dirs alike, or all fail
     dist.broadcast_object_list(choice, src=0)
     if choice[1]:
         raise CheckpointError(choice[1])
     _run["id"] = choice[2]
+    _run["latest"] = choice[3]  # for a failed save's message when the store is unreachable
     return choice[0]
 
 
@@ -879,8 +881,7 @@ def _start_store(out_dir, resume):
         return ["", str(e), None]
     except (OSError, objstore.StoreError) as e:
         return ["", f"{out_dir}: {describe(e)}", None]
-    _run["latest"] = _read_latest(root)
-    return [path, error, run_id]
+    return [path, error, run_id, _read_latest(root)]
 
 
 def _lock(out_dir):
@@ -1063,7 +1064,7 @@ def export(path, out, role=None):
                 _store_call(objstore.download, os.path.join(path, "hf"), hf_files, hf)
             _export(path, hf, os.path.join(local, "out"), role)
             if objstore.is_url(out):
-                _store_call(objstore.upload_folder, os.path.join(local, "out"), out)
+                _store_call(objstore.upload_folder, out, os.path.join(local, "out"))
             else:
                 shutil.copytree(os.path.join(local, "out"), out, dirs_exist_ok=True)
         return

@@ -220,11 +220,9 @@ class MetricsLog:
         machine carries on the store's copies of metrics.jsonl and samples.jsonl (none here)."""
         if dist.get_rank() != 0 or not objstore.is_url(self.store):
             return
-        fs, path = objstore.fs_of(self.store)
         for local in (self.path, self.samples_path):
-            remote = os.path.join(path, os.path.basename(local))
-            if not os.path.lexists(local) and fs.exists(remote):
-                fs.get_file(remote, local)
+            if not os.path.lexists(local):
+                objstore.get_file(os.path.join(self.store, os.path.basename(local)), local)
 
     def truncate(self, step):
         """Call once checkpoint.resolve() holds the run lock. A resumed run redoes the steps its
@@ -569,13 +567,12 @@ def upload_logs(args):
         return
     local = local_dir(args)
     try:
-        fs, path = objstore.fs_of(args.out_dir)
         for name in ("metrics.jsonl", "samples.jsonl"):
             if os.path.isfile(os.path.join(local, name)):
-                fs.put_file(os.path.join(local, name), os.path.join(path, name))
+                objstore.put_file(os.path.join(args.out_dir, name), os.path.join(local, name))
         if os.path.isdir(os.path.join(local, "tensorboard")):
             tensorboard = os.path.join(args.out_dir, "tensorboard")
-            objstore.upload_folder(os.path.join(local, "tensorboard"), tensorboard)
+            objstore.upload_folder(tensorboard, os.path.join(local, "tensorboard"))
     except (OSError, objstore.StoreError) as e:
         print(f"WARNING: copying the logs in {local} to {args.out_dir} failed ({e})", flush=True)
 

@@ -13,6 +13,7 @@ Every path here is a URL; fsspec picks the client (s3:// -> s3fs, an optional de
 Objects are read no further than a size known in advance (the manifest's, or a small cap)."""
 
 import atexit
+import functools
 import hashlib
 import json
 import os
@@ -30,6 +31,23 @@ LEASE_S = 600
 
 class StoreError(RuntimeError):
     """The store refused, or could not be reached; checkpoint.py turns it into a CheckpointError."""
+
+
+def _translated(fn):
+    """The store's client raises its own exceptions (botocore's EndpointConnectionError is no
+    OSError): all but a missing or taken name become one StoreError naming the URL."""
+
+    @functools.wraps(fn)
+    def wrapper(url, *args, **kwargs):
+        try:
+            return fn(url, *args, **kwargs)
+        except (FileNotFoundError, FileExistsError, StoreError):
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the client raises, one line
+            first_line = (str(e).splitlines() or [""])[0]
+            raise StoreError(f"{url}: {type(e).__name__}: {first_line}") from None
+
+    return wrapper
 
 
 def is_url(path):
@@ -57,6 +75,7 @@ def fs_of(url):
         ) from None
 
 
+@_translated
 def listing(url):
     """{path relative to url: size} of every object under the prefix url/ (fresh, not cached)."""
     fs, path = fs_of(url)
@@ -66,6 +85,7 @@ def listing(url):
     return {name[start:]: info["size"] for name, info in found.items() if info["type"] == "file"}
 
 
+@_translated
 def read_bytes(url, limit):
     """The object's bytes, refused if it holds more than `limit` (a size known in advance)."""
     fs, path = fs_of(url)
@@ -76,6 +96,7 @@ def read_bytes(url, limit):
     return data
 
 
+@_translated
 def write_bytes(url, data, create=False):
     """One PUT: the object whole, or (the server failing) not at all. create: only if the name is
     free (If-None-Match: *), FileExistsError otherwise."""
@@ -86,6 +107,7 @@ def write_bytes(url, data, create=False):
     fs.pipe_file(path, data, mode=mode)
 
 
+@_translated
 def sha256(url, size):
     """(size read, sha256) of the object, reading no more than size + 1 bytes."""
     fs, path = fs_of(url)
@@ -101,6 +123,7 @@ def sha256(url, size):
     return seen, digest.hexdigest()
 
 
+@_translated
 def remove_prefix(url):
     """Delete every object under url/: its manifest first (then the step is uncommitted, not
     damaged, whatever a kill leaves), then the rest."""
@@ -113,6 +136,24 @@ def remove_prefix(url):
         fs.rm(rest)
 
 
+@_translated
+def put_file(url, local):
+    """The local file as the object url (one PUT for a small file)."""
+    fs, path = fs_of(url)
+    fs.put_file(local, path)
+
+
+@_translated
+def get_file(url, local):
+    """The object as the local file, if it exists; False if it does not."""
+    fs, path = fs_of(url)
+    if not fs.exists(path):
+        return False
+    fs.get_file(path, local)
+    return True
+
+
+@_translated
 def step_names(root):
     """The names of the step-N prefixes right under root (committed or not)."""
     fs, path = fs_of(root)
@@ -125,6 +166,7 @@ def step_names(root):
     return [n for n in names if n.startswith("step-") and n[5:].isdigit()]
 
 
+@_translated
 def download(url, files, local):
     """The listed objects {relative path: size} under url/ into the local folder, each read no
     further than its size."""
@@ -135,7 +177,8 @@ def download(url, files, local):
             f.write(read_bytes(os.path.join(url, rel), size))
 
 
-def upload_folder(local, url):
+@_translated
+def upload_folder(url, local):
     """Every file below the local folder to url/ (e.g. the final hf/ export)."""
     fs, path = fs_of(url)
     for folder, _, names in os.walk(local):
