@@ -126,23 +126,32 @@ def straight(tmp_path_factory, addition_jsonl):
     return out
 
 
-def test_sft_save_resume_verify_export(store, straight, addition_jsonl, tmp_path):
-    """Stop at step 3, plant an unfinished save, resume on a fresh local folder: the same tensors,
-    metrics and export as the straight local run; verify and export work on store URLs."""
+@pytest.fixture(scope="module")
+def sft_on_store(store, addition_jsonl, tmp_path_factory):
+    """SFT on the store, stopped at step 3 (saves at 2 and 3); an unfinished save planted; resumed
+    to the end on a fresh local folder (a new machine). Returns (url, its logs, scratch folder)."""
     fs, _ = store
+    tmp = tmp_path_factory.mktemp("sft-store")
     url = f"s3://{BUCKET}/sft"
-    local = str(tmp_path / "logs")
-    first = ("--save_every", 2, "--stop_at_step", 3, "--local_dir", tmp_path / "first")
+    first = ("--save_every", 2, "--stop_at_step", 3, "--local_dir", tmp / "first")
     run("train_sft.py", *sft(url, addition_jsonl, *first))
     assert store_latest(fs, url) == "step-00000003"
     # a save killed before its manifest: objects under a prefix with no manifest
     fs.pipe_file(f"{BUCKET}/sft/checkpoints/step-00000005/dcp/__0_0.distcp", b"half")
-    # a new machine: no local logs, they come from the store
+    local = str(tmp / "logs")  # a new machine: no local logs, they come from the store
     run("train_sft.py", *sft(url, addition_jsonl, "--resume", "latest", "--local_dir", local))
+    return url, local, tmp
+
+
+def test_sft_save_resume_verify_export(store, straight, sft_on_store):
+    """The resumed run on the store: the same tensors, metrics and export as the straight local
+    run; the unfinished save deleted, the lock released; verify and export on store URLs."""
+    fs, _ = store
+    url, local, tmp = sft_on_store
     fs.invalidate_cache()
     assert not fs.exists(f"{BUCKET}/sft/checkpoints/step-00000005/dcp/__0_0.distcp")
     assert not fs.exists(f"{BUCKET}/sft/.lock")  # released at the clean exit
-    copy = fetch(fs, url, tmp_path / "copy")
+    copy = fetch(fs, url, tmp / "copy")
     assert_same_tensors(latest(straight), latest(copy))
     assert metrics(copy) == metrics(straight)
     assert metrics(local) == metrics(straight)
@@ -152,31 +161,28 @@ def test_sft_save_resume_verify_export(store, straight, addition_jsonl, tmp_path
     ckpt = f"{url}/checkpoints/step-{N:08d}"
     p = run_py("checkpoint.py", "verify", ckpt)
     assert p.returncode == 0 and f"ok, step {N}" in p.stdout, p.stderr
-    p = run_py("checkpoint.py", "export", ckpt, tmp_path / "export")
+    p = run_py("checkpoint.py", "export", ckpt, tmp / "export")
     assert p.returncode == 0, p.stderr
-    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    exported = load_file(str(tmp / "export" / "model.safetensors"))
     assert all((want[k] == exported[k]).all() for k in want)
 
 
-def test_corrupted_object_is_detected_with_fallback(store, straight, addition_jsonl, tmp_path):
-    """A flipped byte in the latest checkpoint's shard: verify names the object, resume falls back
-    to the one before and ends in the straight run's weights."""
+def test_corrupted_object_is_detected_with_fallback(store, sft_on_store, capsys):
+    """A flipped byte in the latest checkpoint's shard: verify names the object, and the resume's
+    pick (checkpoint.py: _choose, in-process) falls back to the checkpoint before it."""
     fs, _ = store
-    url = f"s3://{BUCKET}/corrupt"
-    logs = ("--local_dir", tmp_path / "logs")
-    run("train_sft.py", *sft(url, addition_jsonl, "--save_every", 2, "--stop_at_step", 4, *logs))
-    shard = f"{BUCKET}/corrupt/checkpoints/step-00000004/dcp/__1_0.distcp"
+    url, _, _ = sft_on_store
+    shard = f"{BUCKET}/sft/checkpoints/step-{N:08d}/dcp/__1_0.distcp"
     data = bytearray(fs.cat_file(shard))
     data[len(data) // 2] ^= 1
     fs.pipe_file(shard, bytes(data))
-    p = run_py("checkpoint.py", "verify", f"{url}/checkpoints/step-00000004")
+    p = run_py("checkpoint.py", "verify", f"{url}/checkpoints/step-{N:08d}")
     assert p.returncode == 1 and "__1_0.distcp: checksum mismatch" in p.stderr, p.stderr
-    p = run(
-        "train_sft.py", *sft(url, addition_jsonl, "--save_every", 2, "--resume", "latest", *logs)
-    )
-    assert "skipping checkpoint step-00000004" in p.stdout + p.stderr
-    assert "at step 2" in p.stdout + p.stderr
-    assert_same_tensors(latest(straight), latest(fetch(fs, url, tmp_path / "copy")))
+    import checkpoint
+
+    path, error = checkpoint._choose(f"{url}/checkpoints", "latest")
+    assert error is None and path == f"{url}/checkpoints/step-00000003"
+    assert f"skipping checkpoint step-{N:08d}" in capsys.readouterr().out
 
 
 def popen(url, data, *extra, env=None):
@@ -232,3 +238,33 @@ def test_server_gone_mid_save_is_one_clear_error(store, addition_jsonl, tmp_path
     assert kept in errors[0]
     p = run_py("checkpoint.py", "verify", f"{url}/checkpoints/{kept}")
     assert p.returncode == 0, p.stderr
+
+
+def ppo(out, *extra):
+    import task
+
+    args = ("--model", task.TINY_MODEL, "--out_dir", out, "--rollout_batch_size", 16)
+    args += ("--n_samples_per_prompt", 2, "--train_batch_size", 16, "--micro_batch_size", 8)
+    args += ("--max_new_tokens", 6, "--max_steps", 2, "--eval_every", 0, "--eval_samples", 16)
+    args += ("--save_every", 100, "--rollout_engine", "hf", *extra)
+    return args
+
+
+def test_ppo_save_resume_export(store, tmp_path):
+    """PPO (actor, critic, both optimizers, the KL controller, sampled responses) stopped at step 1
+    of 2 on the store and resumed: the same metrics and tensors as an uninterrupted local run; the
+    critic exports from the store."""
+    fs, _ = store
+    straight = str(tmp_path / "straight")
+    run("train_ppo.py", *ppo(straight))
+    url = f"s3://{BUCKET}/ppo"
+    local = ("--local_dir", tmp_path / "logs")
+    run("train_ppo.py", *ppo(url, "--stop_at_step", 1, *local))
+    p = run("train_ppo.py", *ppo(url, "--resume", "latest", *local))
+    assert "at step 1" in p.stdout + p.stderr
+    copy = fetch(fs, url, tmp_path / "copy")
+    assert metrics(copy) == metrics(straight)
+    assert_same_tensors(latest(straight), latest(copy))  # actor, critic and both optimizers
+    ckpt = f"{url}/checkpoints/step-00000002"
+    p = run_py("checkpoint.py", "export", ckpt, tmp_path / "critic", "--role", "critic")
+    assert p.returncode == 0 and os.path.exists(tmp_path / "critic" / "model.safetensors"), p.stderr
