@@ -632,6 +632,18 @@ def _remove_unfinished(tmp):
         pass  # the next run's start deletes what is left: a prefix without a manifest
 
 
+def _clear_step(tmp, name, on_error):
+    """Collective, on a store: rank 0 deletes an abandoned branch's step-N (a run resumed from
+    before it), manifest first; False if that failed (with on_error 'warn')."""
+
+    def clear():
+        if dist.get_rank() == 0:
+            objstore.remove_prefix(tmp)
+
+    # the _agree() round makes every rank wait for rank 0's deletion before writing
+    return _agree(clear, tmp, name, on_error)
+
+
 def save(out_dir, step, roles, meta, hf_objs, keep_last, async_save=False, on_error="stop"):
     """Collective. roles = {name: (model, optimizer)}; meta: JSON; hf_objs (config, tokenizer,
     generation config) go to hf/. async_save: a thread writes a copy of the state while training
@@ -646,14 +658,7 @@ def save(out_dir, step, roles, meta, hf_objs, keep_last, async_save=False, on_er
         _async_group.append(dist.new_group(backend="gloo"))
     future = []
 
-    def clear():
-        # a store: an abandoned branch's step-N (a run resumed from before it) goes first, manifest
-        # first, before any rank writes there
-        if dist.get_rank() == 0:
-            objstore.remove_prefix(tmp)
-
-    # the _agree() round makes every rank wait for rank 0's deletion before writing
-    if objstore.is_url(tmp) and not _agree(clear, tmp, name, on_error):
+    if objstore.is_url(tmp) and not _clear_step(tmp, name, on_error):
         return None
 
     def write():
