@@ -194,26 +194,46 @@ def popen(url, data, *extra, env=None):
     )
 
 
+def unfinished(fs, name):
+    """The step prefixes of s3://BUCKET/name holding objects but no manifest: saves under way."""
+    fs.invalidate_cache()
+    steps = {}
+    for key in fs.find(f"{BUCKET}/{name}/checkpoints/"):
+        parts = key.split("/")  # bucket, name, "checkpoints", step-N, ...
+        if len(parts) > 4:
+            steps.setdefault(parts[3], set()).add("/".join(parts[4:]))
+    return sorted(step for step, files in steps.items() if "manifest.json" not in files)
+
+
 def test_sigkills_during_saves_then_resume(store, straight, addition_jsonl, tmp_path):
-    """SIGKILL the whole tree at random moments while every step saves, then --resume latest,
-    until the run completes: the straight run's weights."""
+    """SIGKILL the whole tree at random moments while every step saves (twice in the middle of a
+    save: objects written, no manifest yet), then --resume latest, until the run completes: the
+    straight run's weights; each start deletes the killed save's objects."""
     fs, _ = store
     url = f"s3://{BUCKET}/kills"
     local = str(tmp_path / "logs")
     rng = random.Random(15)
     flags = ("--save_every", 1, "--keep_last", 2, "--resume", "latest", "--local_dir", local)
+    mid_save = []
     for attempt in range(4):
         proc = popen(url, addition_jsonl, *flags)
         if attempt < 3:
             done = logged_steps(local)
             t0 = time.time()
-            while logged_steps(local) <= done and proc.poll() is None and time.time() - t0 < 300:
+            while proc.poll() is None and time.time() - t0 < 300:
+                if attempt != 1 and unfinished(fs, "kills"):
+                    break  # a save is being written
+                if attempt == 1 and logged_steps(local) > done:
+                    time.sleep(rng.uniform(0.0, 1.5))  # anywhere: in a step or a save
+                    break
                 time.sleep(0.01)
-            time.sleep(rng.uniform(0.0, 1.5))  # the next save is under way, or about to be
             kill_tree(proc.pid)
+            mid_save += unfinished(fs, "kills")
             continue
         out, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, out[-3000:]
+    assert mid_save, "no kill landed in the middle of a save"
+    assert not unfinished(fs, "kills")  # the starts deleted them
     assert_same_tensors(latest(straight), latest(fetch(fs, url, tmp_path / "copy")))
 
 
