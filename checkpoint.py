@@ -15,6 +15,9 @@ reads outside it. Every file opened under a checkpoint or run folder is a regula
 without following a symlink (`open_regular`); `verify` reads only those, no further than the
 manifest says. A run holds a lock on its --out_dir (`resolve`), so two runs never share one.
 
+On an object store (`--out_dir s3://...`, objstore.py) there is no rename: a save writes under its
+final prefix and the manifest, written last by rank 0, is the commit; see objstore.py's docstring.
+
     python checkpoint.py verify CKPT [CKPT...]
     python checkpoint.py export CKPT OUT [--role actor|critic|reward_model]   # an HF folder
 """
