@@ -7,7 +7,8 @@ Starts moto's S3 server on 127.0.0.1 (the one tests/test_store.py uses), then ru
 `torchrun --nproc_per_node=2`: a Llama, FSDP2-sharded, with AdamW state, is saved to and loaded from
 s3://bench/run through checkpoint.py (DCP's fsspec writer/reader, the manifest read back and
 checksummed, `latest`), and every rank uploads and downloads as many bytes as its shard holds as
-one object with the same client: the limit the protocol is measured against. A local test server
+one object, streamed through the same client as DCP's writer streams (`fs.open`, 1 MiB writes: a
+multipart upload): the limit the protocol is measured against. A local test server
 in Python says little about a real store's GB/s; the ratio is what carries over (the manifest's
 read-back costs about one download of the whole checkpoint on top of the upload).
 """
@@ -107,10 +108,22 @@ def worker():
     save_s = timed(lambda: checkpoint.save(root, 1, roles, meta, hf, keep_last=1), repeats)
     path = f"{root}/checkpoints/step-00000001"
     load_s = timed(lambda: checkpoint.load(path, roles, meta["args"], []), repeats)
-    raw = f"s3://bench/raw-{rank}.bin"
-    blob = os.urandom(local)
-    write_s = timed(lambda: objstore.write_bytes(raw, blob), repeats)
-    read_s = timed(lambda: objstore.read_bytes(raw, local), repeats)
+    fs, raw = objstore.fs_of(f"s3://bench/raw-{rank}.bin")
+    chunk = os.urandom(1 << 20)
+
+    def upload():
+        # streamed as DCP's writer streams (s3fs: a multipart upload), not one PUT of a blob
+        with fs.open(raw, "wb") as f:
+            for _ in range(local // len(chunk)):
+                f.write(chunk)
+
+    def download():
+        with fs.open(raw, "rb") as f:
+            while f.read(1 << 24):
+                pass
+
+    write_s = timed(upload, repeats)
+    read_s = timed(download, repeats)
     if rank == 0:
         print(
             f"\nstate: {gb:.2f} GB over {world} ranks (weights + AdamW moments), moto on 127.0.0.1"
