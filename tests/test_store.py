@@ -2,6 +2,7 @@
 standalone server) and s3fs as the client. Save, exact resume, verify and export against it; kills
 during saves; a corrupted object; the server gone mid-save."""
 
+import json
 import os
 import random
 import socket
@@ -288,3 +289,73 @@ def test_ppo_save_resume_export(store, tmp_path):
     ckpt = f"{url}/checkpoints/step-00000002"
     p = run_py("checkpoint.py", "export", ckpt, tmp_path / "critic", "--role", "critic")
     assert p.returncode == 0 and os.path.exists(tmp_path / "critic" / "model.safetensors"), p.stderr
+
+
+# ---- crafted checkpoints on the store, in-process (no torchrun) ----------------------------------
+def small_on_store(fs, tmp_path, name):
+    """conftest's small checkpoint (meta, RNG, a.bin, sub/b.bin, manifest) copied to the store."""
+    from conftest import write_small_checkpoint
+
+    local = tmp_path / name
+    local.mkdir()
+    write_small_checkpoint(local)
+    fs.put(str(local) + "/", f"{BUCKET}/crafted/{name}/", recursive=True)
+    return f"s3://{BUCKET}/crafted/{name}"
+
+
+def test_crafted_manifests_and_objects_on_the_store(store, tmp_path):
+    """verify on a store: unlisted objects, paths leaving the prefix, sizes other than the
+    manifest's, each refused in one line."""
+    import checkpoint
+
+    fs, _ = store
+    url = small_on_store(fs, tmp_path, "ok")
+    assert checkpoint.verify(url)["step"] == 1
+    url = small_on_store(fs, tmp_path, "extra")
+    fs.pipe_file(f"{BUCKET}/crafted/extra/c.bin", b"!")
+    with pytest.raises(checkpoint.CheckpointError, match="c.bin: not listed in the manifest"):
+        checkpoint.verify(url)
+    url = small_on_store(fs, tmp_path, "bigger")
+    fs.pipe_file(f"{BUCKET}/crafted/bigger/a.bin", b"hello" * 1000)  # read no further than 5
+    with pytest.raises(checkpoint.CheckpointError, match="a.bin: size 5000, manifest says 5"):
+        checkpoint.verify(url)
+    url = small_on_store(fs, tmp_path, "dotdot")
+    manifest = json.loads(fs.cat_file(f"{BUCKET}/crafted/dotdot/manifest.json"))
+    manifest["files"]["../ok/a.bin"] = manifest["files"]["a.bin"]
+    fs.pipe_file(f"{BUCKET}/crafted/dotdot/manifest.json", json.dumps(manifest).encode())
+    with pytest.raises(checkpoint.CheckpointError, match="not a plain name inside"):
+        checkpoint.verify(url)
+
+
+def test_crafted_metadata_on_the_store_reads_only_listed_objects(store, tmp_path):
+    """A .metadata whose storage entries name an object the manifest does not list (another
+    checkpoint's, via ..) or a byte range beyond the listed size: refused before DCP reads."""
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import checkpoint
+
+    fs, _ = store
+    folder = tmp_path / "dcp"
+    dcp.save({"t": torch.arange(1000.0)}, checkpoint_id=str(folder), no_dist=True)
+    fs.put(str(folder) + "/", f"{BUCKET}/meta/dcp/", recursive=True)
+    url = f"s3://{BUCKET}/meta/dcp"
+    sizes = {p.name: p.stat().st_size for p in folder.iterdir()}
+    state = {"t": torch.zeros(1000)}
+    checkpoint.dcp_load(state, url, no_dist=True, sizes=sizes)
+    assert torch.equal(state["t"], torch.arange(1000.0))
+    crafted = [({"relative_path": "../x.distcp"}, "not an object listed here")]
+    crafted += [({"length": 3 << 30}, "reads bytes")]
+    for changes, needle in crafted:
+        md = pickle.loads((folder / ".metadata").read_bytes())  # our own file, just written
+        for index, info in md.storage_data.items():
+            md.storage_data[index] = type(info)(**{**info.__dict__, **changes})
+        fs.pipe_file(f"{BUCKET}/meta/dcp/.metadata", pickle.dumps(md))
+        sizes[".metadata"] = len(pickle.dumps(md))
+        with pytest.raises(checkpoint.CheckpointError, match=needle):
+            checkpoint.dcp_load({"t": torch.zeros(1000)}, url, no_dist=True, sizes=sizes)
+    sizes[".metadata"] -= 1  # the object is larger than the manifest says: read no further
+    with pytest.raises(checkpoint.CheckpointError, match="larger than the"):
+        checkpoint.dcp_load({"t": torch.zeros(1000)}, url, no_dist=True, sizes=sizes)
