@@ -1111,6 +1111,8 @@ USAGE = "usage: python checkpoint.py verify CKPT [CKPT...] | export CKPT OUT [--
 
 def cli(argv):
     argv = [objstore.local_path(a) for a in argv]  # file:///x is the local /x
+    for arg in argv:
+        objstore.fs_of(arg)  # a store's client is installed, or one line says which to install
     match argv:
         case ["verify", *ckpts] if ckpts:
             for ckpt in ckpts:

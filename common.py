@@ -97,6 +97,11 @@ def parse_args(cls, limits):
     args = cls(**vars(parser.parse_args()))
     args.out_dir = objstore.local_path(args.out_dir)  # file:///x is the local /x
     args.resume = objstore.local_path(args.resume)
+    for flag in ("out_dir", "resume"):
+        try:
+            objstore.fs_of(getattr(args, flag))  # a store's client must be installed
+        except objstore.StoreError as e:
+            raise SystemExit(f"error: --{flag} {e}")
     check_limits(args, limits)
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise SystemExit(

@@ -66,6 +66,9 @@ def fs_of(url):
     """(fsspec filesystem, its path for url); one clear line when the client is missing."""
     import fsspec
 
+    if not is_url(url):
+        return fsspec.filesystem("file"), local_path(url)
+
     try:
         return fsspec.core.url_to_fs(url)
     except (ImportError, ValueError) as e:  # fsspec: "Install s3fs to access S3"
