@@ -23,6 +23,7 @@ final prefix and the manifest, written last by rank 0, is the commit; see objsto
 """
 
 import base64
+import contextlib
 import dataclasses
 import fcntl
 import hashlib
@@ -44,6 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint._nested_dict import set_element
@@ -195,6 +197,9 @@ class _SafeStoreReader(FsspecReader):
     def __init__(self, path, sizes):
         super().__init__(path)
         self.sizes = sizes
+        streams = _WholeObjectStreams(sizes)
+        streams.fs = self.fs.fs  # the client FsspecReader made for `path`
+        self.fs = streams
 
     def read_metadata(self, *args, **kwargs):  # FsspecReader's own is a plain pickle.load
         if getattr(self, "metadata", None) is None:
@@ -206,6 +211,23 @@ class _SafeStoreReader(FsspecReader):
             _check_storage(metadata, self.path, self.sizes)
             self.metadata = metadata
         return self.metadata
+
+
+class _WholeObjectStreams(FsspecFileSystem):
+    """DCP's fsspec streams, each fetching its whole object (its manifest size) in one ranged GET
+    on the first read: DCP reads a shard item by item, which with fsspec's default 5 MiB blocks is
+    a GET per few items."""
+
+    def __init__(self, sizes):
+        super().__init__()
+        self.sizes = sizes
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        size = self.sizes.get(os.path.basename(os.fspath(path)), 0)
+        block = max(size, 1 << 20)
+        with self.fs.open(os.fspath(path), mode, block_size=block, cache_type="readahead") as f:
+            yield f
 
 
 def _store_call(fn, *args):
