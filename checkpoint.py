@@ -822,7 +822,11 @@ def _prune(root, step, keep_last):
     this run overwrites them."""
     if not keep_last:
         return
-    names, _ = _step_dirs(root)
+    try:
+        names, _ = _step_dirs(root)
+    except CheckpointError as e:  # a store out of reach: rank 0 alone must not fail here
+        print(f"WARNING: pruning old checkpoints skipped ({e}); the next save retries", flush=True)
+        return
     older = [n for n in names if _step_of(n) < step]  # newest first
     # step-N is the newest kept: keep_last - 1 older ones stay with it
     pruned = older[keep_last - 1 :]
