@@ -184,6 +184,11 @@ def test_corrupted_object_is_detected_with_fallback(store, sft_on_store, capsys)
     path, error = checkpoint._choose(f"{url}/checkpoints", "latest")
     assert error is None and path == f"{url}/checkpoints/step-00000003"
     assert f"skipping checkpoint step-{N:08d}" in capsys.readouterr().out
+    # --resume s3://.../step-N: that one, or one line naming the damaged object
+    good = f"{url}/checkpoints/step-00000003"
+    assert checkpoint._choose(f"{url}/checkpoints", good) == (good, None)
+    path, error = checkpoint._choose(f"{url}/checkpoints", f"{url}/checkpoints/step-{N:08d}")
+    assert path == "" and "__1_0.distcp: checksum mismatch" in error
 
 
 def popen(url, data, *extra, env=None):
