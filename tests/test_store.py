@@ -213,8 +213,9 @@ def unfinished(fs, name):
 
 def test_sigkills_during_saves_then_resume(store, straight, addition_jsonl, tmp_path):
     """SIGKILL the whole tree at random moments while every step saves (twice in the middle of a
-    save: objects written, no manifest yet), then --resume latest, until the run completes: the
-    straight run's weights; each start deletes the killed save's objects."""
+    save: objects written, no manifest yet; every other run saves asynchronously), then --resume
+    latest, until the run completes: the straight run's weights; each start deletes the killed
+    save's objects."""
     fs, _ = store
     url = f"s3://{BUCKET}/kills"
     local = str(tmp_path / "logs")
@@ -222,7 +223,8 @@ def test_sigkills_during_saves_then_resume(store, straight, addition_jsonl, tmp_
     flags = ("--save_every", 1, "--keep_last", 2, "--resume", "latest", "--local_dir", local)
     mid_save = []
     for attempt in range(4):
-        proc = popen(url, addition_jsonl, *flags)
+        async_save = ["false", "true"][attempt % 2]  # DCP's background writer to the store too
+        proc = popen(url, addition_jsonl, *flags, "--async_save", async_save)
         if attempt < 3:
             done = logged_steps(local)
             t0 = time.time()
