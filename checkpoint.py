@@ -15,14 +15,19 @@ reads outside it. Every file opened under a checkpoint or run folder is a regula
 without following a symlink (`open_regular`); `verify` reads only those, no further than the
 manifest says. A run holds a lock on its --out_dir (`resolve`), so two runs never share one.
 
+On an object store (`--out_dir s3://...`, objstore.py) there is no rename: a save writes under its
+final prefix and the manifest, written last by rank 0, is the commit; see objstore.py's docstring.
+
     python checkpoint.py verify CKPT [CKPT...]
     python checkpoint.py export CKPT OUT [--role actor|critic|reward_model]   # an HF folder
 """
 
 import base64
+import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import io
 import json
 import math
 import os
@@ -31,6 +36,7 @@ import random
 import shutil
 import stat
 import sys
+import tempfile
 import time
 import uuid
 import warnings
@@ -39,6 +45,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -46,6 +55,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict import set_state_dict
+
+import objstore
 
 FORMAT_VERSION = 1
 
@@ -128,18 +139,21 @@ class _SafeReader(dcp.FileSystemReader):
         return self.metadata
 
 
-def _check_storage(metadata, folder):
+def _check_storage(metadata, folder, sizes=None):
     """Before DCP reads anything: every storage entry names a regular file right in `folder` (the
     only place DCP writes them: no `..`, no absolute path, no symlink) and a byte range within that
     file's real size. Otherwise a crafted .metadata reads other files, or /dev/zero for ever."""
     where = os.path.join(folder, ".metadata")
     if type(metadata) is not Metadata or type(metadata.storage_data) is not dict:
         raise CheckpointError(f"{where}: not DCP metadata")
+    listed = sizes
     sizes = {}
     for index, info in metadata.storage_data.items():
         name = getattr(info, "relative_path", None)
         if type(info) is not _StorageInfo or info.transform_descriptors or type(name) is not str:
             raise CheckpointError(f"{where}: storage entry {index!r} is not a plain file range")
+        if name not in sizes and listed is not None:  # a store: only the manifest's objects
+            sizes[name] = _listed_size(listed, name, where)
         if name not in sizes:
             sizes[name] = _storage_size(folder, name, where)
         offset = info.offset
@@ -167,6 +181,65 @@ def _storage_size(folder, name, where):
     return st.st_size
 
 
+def _listed_size(listed, name, where):
+    """The manifest's size of the object `name` right in the dcp/ prefix; CheckpointError if the
+    manifest lists no such object (a crafted name would read outside the checkpoint)."""
+    if name not in listed or "/" in name or name in ("", ".", ".."):
+        raise CheckpointError(f"{where}: a storage entry names {name!r}, not an object listed here")
+    return listed[name]
+
+
+class _SafeStoreReader(FsspecReader):
+    """DCP's fsspec reader with the same safe .metadata as _SafeReader: read no further than the
+    manifest's size, unpickled by _SafeUnpickler, every storage entry checked against the
+    manifest's objects (`sizes`: {name in dcp/: size})."""
+
+    def __init__(self, path, sizes):
+        super().__init__(path)
+        self.sizes = sizes
+        streams = _WholeObjectStreams(sizes)
+        streams.fs = self.fs.fs  # the client FsspecReader made for `path`
+        self.fs = streams
+
+    def read_metadata(self, *args, **kwargs):  # FsspecReader's own is a plain pickle.load
+        if getattr(self, "metadata", None) is None:
+            where = os.path.join(self.path, ".metadata")
+            if ".metadata" not in self.sizes:
+                raise CheckpointError(f"{where}: not listed in the manifest")
+            data = _store_call(objstore.read_bytes, where, self.sizes[".metadata"])
+            metadata = _SafeUnpickler(io.BytesIO(data)).load()
+            _check_storage(metadata, self.path, self.sizes)
+            self.metadata = metadata
+        return self.metadata
+
+
+class _WholeObjectStreams(FsspecFileSystem):
+    """DCP's fsspec streams, each fetching its whole object (its manifest size) in one ranged GET
+    on the first read: DCP reads a shard item by item, which with fsspec's default 5 MiB blocks is
+    a GET per few items."""
+
+    def __init__(self, sizes):
+        super().__init__()
+        self.sizes = sizes
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        size = self.sizes.get(os.path.basename(os.fspath(path)), 0)
+        block = max(size, 1 << 20)
+        with self.fs.open(os.fspath(path), mode, block_size=block, cache_type="readahead") as f:
+            yield f
+
+
+def _store_call(fn, *args):
+    """fn(*args) against the store; a refusal or an unreachable store is one CheckpointError."""
+    try:
+        return fn(*args)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{args[0]}: missing ({e})")
+    except (OSError, objstore.StoreError) as e:
+        raise CheckpointError(f"{args[0]}: {describe(e)}")
+
+
 def _is_count(x):
     """A whole number a checkpoint may claim: an int (not a bool) in [0, MAX_COUNT]."""
     return type(x) is int and 0 <= x <= MAX_COUNT
@@ -181,10 +254,12 @@ class _SafePlanner(DefaultLoadPlanner):
         set_element(self.original_state_dict, fqn, torch.load(value, weights_only=True))
 
 
-def dcp_load(state, path, no_dist=False):
+def dcp_load(state, path, no_dist=False, sizes=None):
     """dcp.load, minus its two unpickling holes and its reads outside the checkpoint; fills
-    `state` in place."""
+    `state` in place. On a store, `sizes`: the manifest's {name in dcp/: size}."""
     reader = _SafeReader(path)
+    if objstore.is_url(path):
+        reader = _SafeStoreReader(path, sizes)
     # A refused .metadata raises here, as itself: inside dcp.load, DCP would log its traceback,
     # retry it as "rank-local metadata", and wrap the error in a CheckpointException.
     reader.read_metadata()
@@ -317,7 +392,9 @@ def _manifest_files(root):
 def _step_dirs(root):
     """(committed checkpoints' names, newest first; the name `latest` points at, or None)."""
     names = []
-    if os.path.isdir(root):
+    if objstore.is_url(root):
+        names = _store_call(objstore.step_names, root)
+    elif os.path.isdir(root):
         names = [n for n in os.listdir(root) if n.startswith("step-") and n[5:].isdigit()]
     names.sort(key=_step_of, reverse=True)
     return names, _read_latest(root)
@@ -325,11 +402,21 @@ def _step_dirs(root):
 
 def _read_latest(root):
     """The checkpoint name in root/latest; None if there is none, or no sensible one."""
+    if objstore.is_url(root):
+        try:
+            name = objstore.read_bytes(os.path.join(root, "latest"), 64).decode().strip()
+        except (OSError, objstore.StoreError, ValueError):
+            return None
+        return _step_name_or_none(name)
     try:
         with open_regular(os.path.join(root, "latest")) as f:
             name = f.read(64).strip()
     except (OSError, CheckpointError, ValueError):
         return None
+    return _step_name_or_none(name)
+
+
+def _step_name_or_none(name):
     if name.startswith("step-") and name[5:].isdigit():
         return name
     return None
@@ -344,6 +431,8 @@ def verify(path):
     """Return the manifest, or raise CheckpointError naming what is missing, cut, altered, not
     listed, not a regular file, or malformed (meta.json, RNG files). Reads regular files only,
     each no further than the size the manifest gives it; opens nothing else."""
+    if objstore.is_url(path):
+        return _verify_store(path)
     if os.path.islink(path):
         raise CheckpointError(f"{path}: a symlink, not a checkpoint folder")
     manifest_path = os.path.join(path, "manifest.json")
@@ -367,8 +456,46 @@ def verify(path):
     return manifest
 
 
+def _verify_store(path):
+    """verify() for a checkpoint on a store: its manifest exists (the commit), lists exactly the
+    objects under the prefix, each of plain relative name, of the listed size and sha256 (read no
+    further than that size)."""
+    manifest_path = os.path.join(path, "manifest.json")
+    try:
+        manifest = _read_json(manifest_path)
+    except (OSError, CheckpointError) as e:
+        raise CheckpointError(
+            f"{manifest_path}: missing or unreadable (not a checkpoint, or an unfinished one: {e})"
+        )
+    _check_manifest(manifest, manifest_path)
+    found = _store_call(objstore.listing, path)
+    for rel in sorted(set(found) | set(manifest["files"])):
+        where = os.path.join(path, rel)
+        if any(part in ("", ".", "..") for part in rel.split("/")):
+            raise CheckpointError(f"{where}: not a plain name inside the checkpoint")
+        if rel != "manifest.json" and rel not in manifest["files"]:
+            raise CheckpointError(f"{where}: not listed in the manifest")
+        if rel not in found:
+            raise CheckpointError(f"{where}: missing")
+    for rel, want in manifest["files"].items():
+        where = os.path.join(path, rel)
+        if found[rel] != want["size"]:
+            raise CheckpointError(f"{where}: size {found[rel]}, manifest says {want['size']}")
+        size, digest = _store_call(objstore.sha256, where, want["size"])
+        if size != want["size"] or digest != want["sha256"]:
+            raise CheckpointError(f"{where}: checksum mismatch")
+    read_meta(path, manifest["step"])
+    return manifest
+
+
 def _read_json(path):
     """The JSON value in the regular file path; CheckpointError if it is not JSON."""
+    if objstore.is_url(path):
+        # on a store: at most SMALL_CAP bytes (meta.json, RNG files: listed in a verified manifest)
+        try:
+            return json.loads(_store_call(objstore.read_bytes, path, objstore.SMALL_CAP))
+        except ValueError as e:
+            raise CheckpointError(f"{path}: malformed, not JSON ({e})")
     with open_regular(path) as f:
         try:
             return json.load(f)
@@ -472,6 +599,8 @@ def describe(e):
 
 def _describe_failure(e, tmp):
     """One line for a failed write: the error, and the free space where it was writing."""
+    if objstore.is_url(tmp):
+        return f"rank {dist.get_rank()}: {describe(e)}"
     disk = "."
     for candidate in (os.path.dirname(tmp), os.path.dirname(os.path.dirname(tmp))):
         if os.path.isdir(candidate):
@@ -498,9 +627,12 @@ def _agree(fn, tmp, name, on_error):
     bad = "; ".join(e for e in errors if e)
     if not bad:
         return True
-    shutil.rmtree(tmp, ignore_errors=True)
+    _remove_unfinished(tmp)
     previous = _read_latest(os.path.dirname(tmp))
     kept = "no checkpoint is committed yet"
+    if previous is None and objstore.is_url(tmp) and _run.get("latest"):
+        # the store unreachable: `latest` was not replaced (that comes after every write)
+        previous = _run["latest"]
     if previous:
         kept = f"the previous checkpoint, {previous}, is intact and latest"
     msg = f"{name} not saved ({bad}); {kept}"
@@ -509,6 +641,32 @@ def _agree(fn, tmp, name, on_error):
     if dist.get_rank() == 0:
         print(f"WARNING: {msg}; training goes on (--on_save_error warn)", flush=True)
     return False
+
+
+def _remove_unfinished(tmp):
+    """A failed save's writes: the local temp dir; on a store, the step's objects (rank 0, no
+    manifest among them: the manifest comes last), as far as the store can be reached."""
+    if not objstore.is_url(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    if dist.get_rank() != 0:
+        return
+    try:
+        objstore.remove_prefix(tmp)
+    except (OSError, objstore.StoreError):
+        pass  # the next run's start deletes what is left: a prefix without a manifest
+
+
+def _clear_step(tmp, name, on_error):
+    """Collective, on a store: rank 0 deletes an abandoned branch's step-N (a run resumed from
+    before it), manifest first; False if that failed (with on_error 'warn')."""
+
+    def clear():
+        if dist.get_rank() == 0:
+            objstore.remove_prefix(tmp)
+
+    # the _agree() round makes every rank wait for rank 0's deletion before writing
+    return _agree(clear, tmp, name, on_error)
 
 
 def save(out_dir, step, roles, meta, hf_objs, keep_last, async_save=False, on_error="stop"):
@@ -525,13 +683,19 @@ def save(out_dir, step, roles, meta, hf_objs, keep_last, async_save=False, on_er
         _async_group.append(dist.new_group(backend="gloo"))
     future = []
 
+    if objstore.is_url(tmp) and not _clear_step(tmp, name, on_error):
+        return None
+
     def write():
         # DCP raises on every rank when it fails on one; the small files can fail on one rank only
-        os.makedirs(tmp, exist_ok=True)  # every rank: a shared file system, or one per node
+        if not objstore.is_url(tmp):
+            os.makedirs(tmp, exist_ok=True)  # every rank: a shared file system, or one per node
         if os.path.islink(tmp):  # the name is this run's own: nothing else may sit there
             raise CheckpointError(f"{tmp}: a symlink; refusing to write through it")
         state = _state(roles)
         writer = dcp.FileSystemWriter(os.path.join(tmp, "dcp"))
+        if objstore.is_url(tmp):
+            writer = FsspecWriter(os.path.join(tmp, "dcp"))
         if async_save:
             future.append(
                 dcp.async_save(state, storage_writer=writer, process_group=_async_group[0])
@@ -556,13 +720,15 @@ def _tmp_path(root, name):
     folder (refused by the lock; or one on another machine) never writes into this one's."""
     if "id" not in _run:
         raise RuntimeError("checkpoint.resolve() starts the run (lock, run id) before any save")
+    if objstore.is_url(root):  # no rename on a store: the final prefix, committed by its manifest
+        return os.path.join(root, name)
     return os.path.join(root, f".tmp-{name}-{_run['id']}")
 
 
 def _write_small_files(tmp, step, roles, meta, hf_objs):
     """Every rank its RNG state; rank 0 the run's meta.json and the HF config/tokenizer in hf/."""
     rank = dist.get_rank()
-    _durable(os.path.join(tmp, f"rng-rank{rank}.json"), json.dumps(rng_state()))
+    _put(os.path.join(tmp, f"rng-rank{rank}.json"), json.dumps(rng_state()))
     if rank != 0:
         return
     header = {
@@ -571,9 +737,23 @@ def _write_small_files(tmp, step, roles, meta, hf_objs):
         "world_size": dist.get_world_size(),
         "roles": list(roles),
     }
-    _durable(os.path.join(tmp, "meta.json"), json.dumps({**header, **meta}, indent=1))
-    for obj in hf_objs:
-        obj.save_pretrained(os.path.join(tmp, "hf"))
+    _put(os.path.join(tmp, "meta.json"), json.dumps({**header, **meta}, indent=1))
+    if not objstore.is_url(tmp):
+        for obj in hf_objs:
+            obj.save_pretrained(os.path.join(tmp, "hf"))
+        return
+    with tempfile.TemporaryDirectory() as local:  # save_pretrained writes local files only
+        for obj in hf_objs:
+            obj.save_pretrained(local)
+        objstore.upload_folder(os.path.join(tmp, "hf"), local)
+
+
+def _put(path, text):
+    """A new small file, durable (local), or one object (a store)."""
+    if objstore.is_url(path):
+        objstore.write_bytes(path, text.encode())
+    else:
+        _durable(path, text)
 
 
 def commit():
@@ -589,7 +769,9 @@ def commit():
             future.result()
 
     def publish():
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and objstore.is_url(root):
+            _publish_store(final, root, name, step)
+        elif dist.get_rank() == 0:
             _publish(tmp, final, root, name, step)
 
     # All ranks' shards written, then rank 0 commits; a failure on any rank stops both.
@@ -597,6 +779,7 @@ def commit():
         return None
     if not _agree(publish, tmp, name, on_error):
         return None
+    _run["latest"] = name  # every rank: `publish` succeeded on rank 0
     if dist.get_rank() == 0:
         _prune(root, step, keep_last)
     return final
@@ -619,18 +802,39 @@ def _publish(tmp, final, root, name, step):
     _durable(root)
 
 
+def _publish_store(final, root, name, step):
+    """Rank 0, on a store: every object's size and sha256 (read back: what the store holds), the
+    manifest written last (the commit), then the `latest` object replaced (one PUT)."""
+    files = {}
+    for rel, size in sorted(objstore.listing(final).items()):
+        if rel == "manifest.json":  # an abandoned branch's: removed before this save wrote
+            raise CheckpointError(f"{final}: holds a manifest already; another run writes here")
+        seen, digest = objstore.sha256(os.path.join(final, rel), size)
+        files[rel] = {"size": seen, "sha256": digest}
+    manifest = {"step": step, "files": files}
+    objstore.write_bytes(os.path.join(final, "manifest.json"), json.dumps(manifest).encode())
+    objstore.write_bytes(os.path.join(root, "latest"), (name + "\n").encode())
+
+
 def _prune(root, step, keep_last):
     """Now that step-N is committed, keep the keep_last newest up to it (0: keep all). Checkpoints
     newer than step-N are an abandoned branch (a run resumed from before them): they stay until
     this run overwrites them."""
     if not keep_last:
         return
-    names, _ = _step_dirs(root)
+    try:
+        names, _ = _step_dirs(root)
+    except CheckpointError as e:  # a store out of reach: rank 0 alone must not fail here
+        print(f"WARNING: pruning old checkpoints skipped ({e}); the next save retries", flush=True)
+        return
     older = [n for n in names if _step_of(n) < step]  # newest first
     # step-N is the newest kept: keep_last - 1 older ones stay with it
     pruned = older[keep_last - 1 :]
     for name in pruned:
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        if objstore.is_url(root):  # manifest first: a kill leaves an uncommitted step
+            _remove_unfinished(os.path.join(root, name))
+        else:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def boundary(step, every, minutes, signalled, device):
@@ -654,14 +858,16 @@ def resolve(out_dir, resume):
     """Collective, before the run writes anything to out_dir: rank 0 takes the run lock, removes
     what killed runs left, and picks the checkpoint to resume from ('' = start fresh); every rank
     gets the pick and the run's id (its temp dirs' names)."""
-    choice = ["", None, None]  # [path, error, run id]
+    choice = ["", None, None, None]  # [path, error, run id, latest (on a store)]
     if dist.get_rank() == 0:
-        choice = _start(out_dir, resume)
+        result = _start(out_dir, resume)
+        choice[: len(result)] = result
     # all ranks load the very same checkpoint and name temp dirs alike, or all fail
     dist.broadcast_object_list(choice, src=0)
     if choice[1]:
         raise CheckpointError(choice[1])
     _run["id"] = choice[2]
+    _run["latest"] = choice[3]  # for a failed save's message when the store is unreachable
     return choice[0]
 
 
@@ -672,6 +878,8 @@ RUN_FILES = ("metrics.jsonl", "samples.jsonl", os.path.join("checkpoints", "late
 
 def _start(out_dir, resume):
     """Rank 0: [checkpoint path or '', error or None, run id]."""
+    if objstore.is_url(out_dir):
+        return _start_store(out_dir, resume)
     root = os.path.join(out_dir, "checkpoints")
     try:
         _lock(out_dir)
@@ -688,6 +896,26 @@ def _start(out_dir, resume):
     except OSError as e:
         return ["", f"{out_dir}: {e.strerror}: {e.filename}", None]
     return [path, error, uuid.uuid4().hex[:8]]
+
+
+def _start_store(out_dir, resume):
+    """_start() on a store: the lock object, unfinished saves deleted, the pick."""
+    root = os.path.join(out_dir, "checkpoints")
+    run_id = uuid.uuid4().hex[:8]
+    try:
+        if _run.get("lock", (None,))[0] != out_dir:  # this process took it already
+            objstore.take_lock(out_dir, run_id)
+            _run["lock"] = (out_dir, None)
+        for name in objstore.step_names(root):
+            # no manifest: an unfinished save (its run is gone, or it would hold the lock)
+            if "manifest.json" not in objstore.listing(os.path.join(root, name)):
+                objstore.remove_prefix(os.path.join(root, name))
+        path, error = _choose(root, resume)
+    except CheckpointError as e:
+        return ["", str(e), None]
+    except (OSError, objstore.StoreError) as e:
+        return ["", f"{out_dir}: {describe(e)}", None]
+    return [path, error, run_id, _read_latest(root)]
 
 
 def _lock(out_dir):
@@ -768,7 +996,7 @@ def load(path, roles, args, must_match):
             f"{path} was saved by a different run; differing settings: {', '.join(diff)}"
         )
     state = _state(roles)
-    dcp_load(state, os.path.join(path, "dcp"))
+    dcp_load(state, os.path.join(path, "dcp"), sizes=_dcp_sizes(path))
     for role, (model, optim) in roles.items():
         set_state_dict(
             model,
@@ -787,6 +1015,17 @@ def load(path, roles, args, must_match):
             flush=True,
         )
     return meta
+
+
+def _dcp_sizes(path):
+    """On a store: the manifest's {name in dcp/: size} (what a reader may read); None locally."""
+    if not objstore.is_url(path):
+        return None
+    where = os.path.join(path, "manifest.json")
+    manifest = _read_json(where)
+    _check_manifest(manifest, where)
+    files = manifest["files"].items()
+    return {rel[len("dcp/") :]: want["size"] for rel, want in files if rel.startswith("dcp/")}
 
 
 def restore_scheduler(sched, state, where):
@@ -842,16 +1081,35 @@ def export(path, out, role=None):
     """A checkpoint's `role` model -> an HF folder (safetensors, config, tokenizer, generation
     config) that transformers and vLLM load: for deployment, or the next stage. One process, DCP's
     no_dist mode. The critic exports as a token-classification (value) model with one label, the
-    reward model (train_rm.py) as a sequence-classification model with one label."""
-    from transformers import AutoTokenizer
-    from transformers import GenerationConfig
-
-    verify(path)
+    reward model (train_rm.py) as a sequence-classification model with one label. Either side may
+    be on a store."""
+    manifest = verify(path)
     roles = read_meta(path)["roles"]
     role = role or roles[0]
     if role not in roles:
         raise CheckpointError(f"--role {role}: checkpoint has roles {roles}")
-    hf = os.path.join(path, "hf")
+    if objstore.is_url(path) or objstore.is_url(out):
+        # on a store: hf/ comes down (no further than the manifest's sizes), the export goes up
+        with tempfile.TemporaryDirectory() as local:
+            hf_files = {k[3:]: v["size"] for k, v in manifest["files"].items() if k[:3] == "hf/"}
+            hf = os.path.join(path, "hf")
+            if objstore.is_url(path):
+                hf = os.path.join(local, "hf")
+                _store_call(objstore.download, os.path.join(path, "hf"), hf_files, hf)
+            _export(path, hf, os.path.join(local, "out"), role)
+            if objstore.is_url(out):
+                _store_call(objstore.upload_folder, out, os.path.join(local, "out"))
+            else:
+                shutil.copytree(os.path.join(local, "out"), out, dirs_exist_ok=True)
+        return
+    _export(path, os.path.join(path, "hf"), out, role)
+
+
+def _export(path, hf, out, role):
+    """export() once the checkpoint's hf/ folder is local (`hf`), to the local folder `out`."""
+    from transformers import AutoTokenizer
+    from transformers import GenerationConfig
+
     # trust_remote_code=False: an `auto_map` in hf/ never runs a .py file of the checkpoint's, nor
     # asks whether to (it fails here instead)
     try:
@@ -864,7 +1122,8 @@ def export(path, out, role=None):
         raise CheckpointError(f"{hf}: cannot load ({describe(e)})")
     warnings.filterwarnings("ignore", "torch.distributed is disabled")  # no_dist says so: we know
     state = {role: {"model": model.state_dict()}}
-    dcp_load(state, os.path.join(path, "dcp"), no_dist=True)  # fills the model's tensors in place
+    # fills the model's tensors in place
+    dcp_load(state, os.path.join(path, "dcp"), no_dist=True, sizes=_dcp_sizes(path))
     if generation_config is not None:
         model.generation_config = generation_config
     # save_pretrained only logs an error and returns when `out` is a file: raise here instead
@@ -877,6 +1136,9 @@ USAGE = "usage: python checkpoint.py verify CKPT [CKPT...] | export CKPT OUT [--
 
 
 def cli(argv):
+    argv = [objstore.local_path(a) for a in argv]  # file:///x is the local /x
+    for arg in argv:
+        objstore.fs_of(arg)  # a store's client is installed, or one line says which to install
     match argv:
         case ["verify", *ckpts] if ckpts:
             for ckpt in ckpts:
@@ -894,7 +1156,7 @@ def cli(argv):
 if __name__ == "__main__":
     try:
         cli(sys.argv[1:])
-    except (CheckpointError, OSError) as err:
+    except (CheckpointError, OSError, objstore.StoreError) as err:
         sys.exit(f"error: {err}")
     except CheckpointException as err:  # DCP's: no Exception, and its text is a traceback
         sys.exit(f"error: {describe(err)}")

@@ -45,6 +45,7 @@ from transformers import AutoTokenizer
 from transformers import GenerationConfig
 
 import checkpoint
+import objstore
 import task
 
 
@@ -94,6 +95,13 @@ def parse_args(cls, limits):
             f"--{f.name}", type=kind, choices=choices, default=f.default, help=help_text
         )
     args = cls(**vars(parser.parse_args()))
+    args.out_dir = objstore.local_path(args.out_dir)  # file:///x is the local /x
+    args.resume = objstore.local_path(args.resume)
+    for flag in ("out_dir", "resume"):
+        try:
+            objstore.fs_of(getattr(args, flag))  # a store's client must be installed
+        except objstore.StoreError as e:
+            raise SystemExit(f"error: --{flag} {e}")
     check_limits(args, limits)
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise SystemExit(
@@ -204,12 +212,22 @@ class MetricsLog:
     Both files are opened as regular files only, never through a symlink (checkpoint.open_regular).
     """
 
-    def __init__(self, out_dir, tensorboard=False):
+    def __init__(self, out_dir, tensorboard=False, store=""):
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.samples_path = os.path.join(out_dir, "samples.jsonl")  # train_ppo.py writes it
         self.tensorboard_dir = os.path.join(out_dir, "tensorboard")
         self.tensorboard = tensorboard
         self.writer = None  # the SummaryWriter, made by the first log()
+        self.store = store  # an object-store --out_dir, which keeps copies of the logs
+
+    def fetch(self):
+        """Rank 0, with an object-store --out_dir, holding the run lock: a resumed run on a new
+        machine carries on the store's copies of metrics.jsonl and samples.jsonl (none here)."""
+        if dist.get_rank() != 0 or not objstore.is_url(self.store):
+            return
+        for local in (self.path, self.samples_path):
+            if not os.path.lexists(local):
+                objstore.get_file(os.path.join(self.store, os.path.basename(local)), local)
 
     def truncate(self, step):
         """Call once checkpoint.resolve() holds the run lock. A resumed run redoes the steps its
@@ -217,6 +235,7 @@ class MetricsLog:
         their rows, from metrics.jsonl and samples.jsonl alike."""
         if dist.get_rank() != 0:
             return
+        self.fetch()
         for path in (self.path, self.samples_path):
             if os.path.lexists(path):
                 truncate_jsonl(path, step)
@@ -525,6 +544,7 @@ def end_of_step(args, step, device, roles, meta, hf_objs):
         saved = checkpoint.save(
             args.out_dir, step, roles, meta, hf_objs, args.keep_last, background, on_error
         )
+        upload_logs(args)
     stop = signalled or step == args.stop_at_step
     if stop:
         reason = "--stop_at_step"
@@ -532,6 +552,34 @@ def end_of_step(args, step, device, roles, meta, hf_objs):
             reason = "signal"
         print0(f"stopping after step {step} ({reason}); go on with --resume latest")
     return saved, stop
+
+
+def local_dir(args):
+    """Where metrics.jsonl, samples.jsonl and tensorboard/ are written as they come: --out_dir
+    itself, or, for an object store (no appends there), --local_dir (default runs/store/<bucket>/
+    <path>), copied up by `upload_logs`."""
+    if not objstore.is_url(args.out_dir):
+        return args.out_dir
+    if args.local_dir:
+        return args.local_dir
+    return os.path.join("runs", "store", args.out_dir.split("://", 1)[1])
+
+
+def upload_logs(args):
+    """Rank 0, with an object-store --out_dir: the local logs replace their copies in the store
+    (one PUT each). Best effort: a failure is a warning, the checkpoints are what must not fail."""
+    if dist.get_rank() != 0 or not objstore.is_url(args.out_dir):
+        return
+    local = local_dir(args)
+    try:
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            if os.path.isfile(os.path.join(local, name)):
+                objstore.put_file(os.path.join(args.out_dir, name), os.path.join(local, name))
+        if os.path.isdir(os.path.join(local, "tensorboard")):
+            tensorboard = os.path.join(args.out_dir, "tensorboard")
+            objstore.upload_folder(tensorboard, os.path.join(local, "tensorboard"))
+    except (OSError, objstore.StoreError) as e:
+        print(f"WARNING: copying the logs in {local} to {args.out_dir} failed ({e})", flush=True)
 
 
 # ---- errors --------------------------------------------------------------------------------------
@@ -614,6 +662,7 @@ def finish(args, step, final, role=None):
         raise SystemExit(outcome[0])
     if outcome[0]:
         raise SystemExit(1)  # rank 0 says why
+    upload_logs(args)
     if step == args.max_steps and final:  # (a run stopped early said so in `end_of_step`)
         print0(f"done: {step} steps; checkpoint {final}; model {hf}")
 
@@ -638,6 +687,8 @@ def run(main, cls, limits):
         line = f"error: {e}"
     except checkpoint.CheckpointException as e:  # DCP's: no Exception, its text a traceback
         line = f"error: {checkpoint.describe(e)}"
+    except objstore.StoreError as e:  # no s3fs, or the store refused
+        line = f"error: {e}"
     except OSError as e:  # the run's folder read-only, removed, full: the file and the reason
         line = f"error: {e.filename}: {e.strerror}"
         if e.filename is None:

@@ -52,6 +52,10 @@ class Args:
     """held-out prompts JSONL (default: the embedded task's held-out split; none with --data)"""
     out_dir: str = "runs/ppo"
     """checkpoints/, metrics.jsonl and the final hf/ export of the actor go here"""
+    local_dir: str = ""
+    """with an object-store --out_dir (s3://...): the local folder for metrics.jsonl, samples.jsonl
+    and tensorboard/, copied into the store at every checkpoint and at the end ('': runs/store/
+    followed by the URL's bucket and path); a local --out_dir holds them itself"""
     max_steps: int = 150
     """PPO iterations (rollout + scoring + ppo_epochs of updates + weight sync)"""
     save_every: int = 50
@@ -955,11 +959,11 @@ MUST_MATCH = [
 
 def main(args):
     rank, world, device = common.init_distributed(args.seed, args.timeout_minutes)
-    os.makedirs(args.out_dir, exist_ok=True)
+    os.makedirs(common.local_dir(args), exist_ok=True)
     check_args(args, world)
     n = args.n_samples_per_prompt
     per_rank = args.rollout_batch_size // world
-    metrics_log = common.MetricsLog(args.out_dir, args.tensorboard)
+    metrics_log = common.MetricsLog(common.local_dir(args), args.tensorboard, args.out_dir)
 
     models, tok, roles = build_models(args, device)
     scheds = {}
@@ -1061,7 +1065,7 @@ def main(args):
             common.print0(eval_line(step, metrics))
         metrics_log.log(metrics, step)
         if rank == 0 and "eval/accuracy" in metrics:
-            write_samples(args.out_dir, step, prompts, raw_scores, gen, tok, n)
+            write_samples(common.local_dir(args), step, prompts, raw_scores, gen, tok, n)
         pbar.update(1)
         score_text = f"{metrics['objective/score']:.3f}"
         pbar.set_postfix(score=score_text, kl=f"{metrics['objective/kl']:.3f}")

@@ -41,6 +41,10 @@ class Args:
     --data)"""
     out_dir: str = "runs/sft"
     """checkpoints/, metrics.jsonl and the final hf/ export go here"""
+    local_dir: str = ""
+    """with an object-store --out_dir (s3://...): the local folder for metrics.jsonl, samples.jsonl
+    and tensorboard/, copied into the store at every checkpoint and at the end ('': runs/store/
+    followed by the URL's bucket and path); a local --out_dir holds them itself"""
     max_steps: int = 600
     """optimizer steps in the whole run (the LR schedule spans them)"""
     save_every: int = 200
@@ -218,10 +222,10 @@ def batch_tokens(examples):
 
 def main(args):
     rank, world, device = common.init_distributed(args.seed, args.timeout_minutes)
-    os.makedirs(args.out_dir, exist_ok=True)
+    os.makedirs(common.local_dir(args), exist_ok=True)
     common.check_batch_sizes(args, world)
     per_rank = args.train_batch_size // world
-    metrics_log = common.MetricsLog(args.out_dir, args.tensorboard)
+    metrics_log = common.MetricsLog(common.local_dir(args), args.tensorboard, args.out_dir)
 
     model, tok = common.load_model_and_tokenizer(
         args.model, AutoModelForCausalLM, args.attn_implementation

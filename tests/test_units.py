@@ -166,3 +166,21 @@ def test_encode_prompt_uses_the_chat_template_when_there_is_one():
     )
     ids = common.encode_prompt(tok, "1+2=")
     assert tok.decode(ids, skip_special_tokens=True) == "U:1+2=A:"
+
+
+@pytest.mark.parametrize("script", ["checkpoint.py", "train_sft.py"])
+def test_a_store_url_without_its_client_is_one_line(script):
+    """s3fs is optional: without it, an s3:// --out_dir or checkpoint is one line saying what to
+    install (here s3fs is made unimportable in the child)."""
+    import subprocess
+    import sys
+
+    args = {"checkpoint.py": ["verify", "s3://b/x"], "train_sft.py": ["--out_dir", "s3://b/x"]}
+    code = (
+        "import runpy, sys; sys.modules['s3fs'] = None; "
+        f"sys.argv = {[script, *args[script]]!r}; runpy.run_path({script!r}, run_name='__main__')"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 1, p.stderr[-2000:]
+    assert lines[0].startswith("error: ") and "pip install s3fs" in lines[0]

@@ -1,0 +1,264 @@
+"""Checkpoints on an object store (`--out_dir s3://bucket/run`): the pieces of checkpoint.py's
+commit protocol that a store without rename or directories needs done differently (README,
+"Checkpoints on an object store").
+
+A store has no atomic rename, so a save writes straight under its final prefix `step-N/` and the
+manifest is the commit: rank 0 writes `step-N/manifest.json` (every object's size and sha256) only
+once every rank's objects are written, then replaces the small `latest` object (one PUT replaces an
+object whole: readers see the old or the new one). A prefix without a manifest is an unfinished
+save: never resumed from, deleted by the next run under the run lock. Deleting a step deletes its
+manifest first, so a half-deleted step is an unfinished one, never a damaged committed one.
+
+Every path here is a URL; fsspec picks the client (s3:// -> s3fs, an optional dependency).
+Objects are read no further than a size known in advance (the manifest's, or a small cap)."""
+
+import atexit
+import functools
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+
+# A JSON object read before its size is known (manifest.json, latest, the lock): at most this.
+SMALL_CAP = 16 << 20
+# The run lock's lease: a live run rewrites its lock every LEASE_S / 4; another run takes over a
+# lock older than LEASE_S (a run killed on another machine), or one whose process is gone on
+# this machine.
+LEASE_S = 600
+
+
+class StoreError(RuntimeError):
+    """The store refused, or could not be reached; checkpoint.py turns it into a CheckpointError."""
+
+
+def _translated(fn):
+    """The store's client raises its own exceptions (botocore's EndpointConnectionError is no
+    OSError): all but a missing or taken name become one StoreError naming the URL."""
+
+    @functools.wraps(fn)
+    def wrapper(url, *args, **kwargs):
+        try:
+            return fn(url, *args, **kwargs)
+        except (FileNotFoundError, FileExistsError, StoreError):
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the client raises, one line
+            first_line = (str(e).splitlines() or [""])[0]
+            raise StoreError(f"{url}: {type(e).__name__}: {first_line}") from None
+
+    return wrapper
+
+
+def is_url(path):
+    """An object-store URL (s3://...), as opposed to a local path; file:// counts as local."""
+    return "://" in str(path) and not str(path).startswith("file://")
+
+
+def local_path(path):
+    """file:///x -> /x; anything else unchanged."""
+    if str(path).startswith("file://"):
+        return str(path)[len("file://") :]
+    return path
+
+
+def fs_of(url):
+    """(fsspec filesystem, its path for url); one clear line when the client is missing."""
+    import fsspec
+
+    if not is_url(url):
+        return fsspec.filesystem("file"), local_path(url)
+
+    try:
+        return fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as e:  # fsspec: "Install s3fs to access S3"
+        scheme = url.split("://")[0]
+        raise StoreError(
+            f"{url}: no client for {scheme}:// ({e}); for s3:// run `pip install s3fs`"
+        ) from None
+
+
+@_translated
+def listing(url):
+    """{path relative to url: size} of every object under the prefix url/ (fresh, not cached)."""
+    fs, path = fs_of(url)
+    fs.invalidate_cache()  # s3fs caches listings; other ranks and runs write here
+    found = fs.find(path.rstrip("/") + "/", detail=True)
+    start = len(path.rstrip("/")) + 1
+    return {name[start:]: info["size"] for name, info in found.items() if info["type"] == "file"}
+
+
+@_translated
+def read_bytes(url, limit):
+    """The object's bytes, refused if it holds more than `limit` (a size known in advance)."""
+    fs, path = fs_of(url)
+    with fs.open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise StoreError(f"{url}: larger than the {limit} bytes expected")
+    return data
+
+
+@_translated
+def write_bytes(url, data, create=False):
+    """One PUT: the object whole, or (the server failing) not at all. create: only if the name is
+    free (If-None-Match: *), FileExistsError otherwise."""
+    fs, path = fs_of(url)
+    mode = "overwrite"
+    if create:
+        mode = "create"
+    fs.pipe_file(path, data, mode=mode)
+
+
+@_translated
+def sha256(url, size):
+    """(size read, sha256) of the object, reading no more than size + 1 bytes."""
+    fs, path = fs_of(url)
+    digest = hashlib.sha256()
+    seen = 0
+    with fs.open(path, "rb", block_size=8 << 20) as f:
+        while seen <= size:
+            chunk = f.read(min(8 << 20, size + 1 - seen))
+            if not chunk:
+                break
+            digest.update(chunk)
+            seen += len(chunk)
+    return seen, digest.hexdigest()
+
+
+@_translated
+def remove_prefix(url):
+    """Delete every object under url/: its manifest first (then the step is uncommitted, not
+    damaged, whatever a kill leaves), then the rest."""
+    fs, path = fs_of(url)
+    names = listing(url)
+    if "manifest.json" in names:
+        fs.rm_file(os.path.join(path, "manifest.json"))
+    rest = [os.path.join(path, n) for n in names if n != "manifest.json"]
+    if rest:
+        fs.rm(rest)
+
+
+@_translated
+def put_file(url, local):
+    """The local file as the object url (one PUT for a small file)."""
+    fs, path = fs_of(url)
+    fs.put_file(local, path)
+
+
+@_translated
+def get_file(url, local):
+    """The object as the local file, if it exists; False if it does not."""
+    fs, path = fs_of(url)
+    if not fs.exists(path):
+        return False
+    fs.get_file(path, local)
+    return True
+
+
+@_translated
+def step_names(root):
+    """The names of the step-N prefixes right under root (committed or not)."""
+    fs, path = fs_of(root)
+    fs.invalidate_cache()
+    try:
+        entries = fs.ls(path.rstrip("/") + "/", detail=False)
+    except FileNotFoundError:
+        return []
+    names = [os.path.basename(e.rstrip("/")) for e in entries]
+    return [n for n in names if n.startswith("step-") and n[5:].isdigit()]
+
+
+@_translated
+def download(url, files, local):
+    """The listed objects {relative path: size} under url/ into the local folder, each read no
+    further than its size."""
+    for rel, size in files.items():
+        target = os.path.join(local, rel)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "xb") as f:
+            f.write(read_bytes(os.path.join(url, rel), size))
+
+
+@_translated
+def upload_folder(url, local):
+    """Every file below the local folder to url/ (e.g. the final hf/ export)."""
+    fs, path = fs_of(url)
+    for folder, _, names in os.walk(local):
+        for name in names:
+            rel = os.path.relpath(os.path.join(folder, name), local)
+            fs.put_file(os.path.join(folder, name), os.path.join(path, rel))
+
+
+# ---- the run lock: a conditional create, a lease, a heartbeat ------------------------------------
+def take_lock(out_dir, run_id):
+    """Create out_dir/.lock only if absent (If-None-Match: *); take over a stale one (its lease run
+    out, or its process gone on this machine). StoreError naming the holder otherwise. A thread
+    renews the lease until this process ends."""
+    url = os.path.join(out_dir, ".lock")
+    body = {"run": run_id, "host": socket.gethostname(), "pid": os.getpid()}
+    for _ in range(2):  # a stale lock is removed once, then created anew
+        try:
+            write_bytes(url, json.dumps({**body, "time": time.time()}).encode(), create=True)
+        except FileExistsError:
+            holder = _lock_holder(url)
+            if not _stale(holder):
+                raise StoreError(
+                    f"{out_dir}: another run is using this --out_dir (it holds {url}: {holder}); "
+                    "nothing was changed: wait for it to end, or use another --out_dir"
+                ) from None
+            fs, path = fs_of(url)
+            fs.rm_file(path)
+            continue
+        thread = threading.Thread(target=_renew, args=(url, body), daemon=True)
+        thread.start()
+        atexit.register(_release, url, run_id)  # a clean exit frees it now, not at lease expiry
+        return
+    raise StoreError(f"{url}: another run took the lock just now; use another --out_dir")
+
+
+def _lock_holder(url):
+    try:
+        holder = json.loads(read_bytes(url, SMALL_CAP))
+    except (OSError, ValueError, StoreError):
+        return {}  # unreadable or gone: no live holder to protect
+    if type(holder) is not dict:
+        return {}
+    return holder
+
+
+def _stale(holder):
+    """A lock nobody holds: its lease ran out, or its process on this machine is gone."""
+    when = holder.get("time")
+    if type(when) not in (int, float) or time.time() - when > LEASE_S:
+        return True
+    if holder.get("host") != socket.gethostname() or type(holder.get("pid")) is not int:
+        return False  # another machine's live lease: only its expiry frees it
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # a live process of another user
+    return False
+
+
+def _release(url, run_id):
+    """Delete the lock if it is still this run's (a killed process never gets here: its lock is
+    taken over as stale)."""
+    try:
+        if _lock_holder(url).get("run") == run_id:
+            fs, path = fs_of(url)
+            fs.rm_file(path)
+    except Exception:  # noqa: BLE001 - exiting anyway; the lease frees it later
+        pass
+
+
+def _renew(url, body):
+    """The heartbeat: rewrite the lock with a fresh time every LEASE_S / 4 (errors: next time)."""
+    while True:
+        time.sleep(LEASE_S / 4)
+        try:
+            write_bytes(url, json.dumps({**body, "time": time.time()}).encode())
+        except Exception:  # noqa: BLE001 - the store down for a while: the lease allows for it
+            pass

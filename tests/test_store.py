@@ -1,0 +1,368 @@
+"""Checkpoints straight to an object store (issue 15): a real S3 server on 127.0.0.1 (moto's
+standalone server) and s3fs as the client. Save, exact resume, verify and export against it; kills
+during saves; a corrupted object; the server gone mid-save."""
+
+import json
+import os
+import random
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import REPO
+from conftest import TORCHRUN
+from conftest import assert_same_tensors
+from conftest import kill_tree
+from conftest import latest
+from conftest import logged_steps
+from conftest import metrics
+from conftest import run
+from conftest import run_py
+
+s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (requirements-cpu.txt pins it)")
+moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed")
+
+pytestmark = pytest.mark.slow
+N = 6
+BUCKET = "plainrlhf-test"
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+class Proxy:
+    """A TCP forwarder in front of the server: stop() is the server vanishing mid-save for the
+    client (the server itself, and what it stores, stay for the test to inspect)."""
+
+    def __init__(self, port):
+        self.target = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.conns = []
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target))
+            self.conns += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self.pipe, args=(a, b), daemon=True).start()
+
+    def pipe(self, a, b):
+        try:
+            data = a.recv(1 << 16)
+            while data:
+                b.sendall(data)
+                data = a.recv(1 << 16)
+        except OSError:
+            pass
+        for s in (a, b):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def stop(self):
+        self.listener.close()
+        for s in self.conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+@pytest.fixture(scope="module")
+def store():
+    """The server; its endpoint in this process's environment (torchrun's children inherit it)."""
+    saved = {k: os.environ.get(k) for k in [*CREDENTIALS, "AWS_ENDPOINT_URL_S3"]}
+    os.environ.update(CREDENTIALS)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ["AWS_ENDPOINT_URL_S3"] = f"http://{host}:{port}"
+    fs = s3fs.S3FileSystem()
+    fs.mkdir(BUCKET)
+    yield fs, port
+    server.stop()
+    for k, v in saved.items():
+        os.environ.pop(k, None)
+        if v is not None:
+            os.environ[k] = v
+
+
+def sft(out, data, *extra):
+    args = ("--data", data, "--eval_data", data, "--eval_samples", 16, "--train_batch_size", 16)
+    args += ("--micro_batch_size", 4, "--max_steps", N, "--eval_every", 3, "--save_every", 100)
+    args += ("--warmup_steps", 2, "--out_dir", out, *extra)
+    return args
+
+
+def fetch(fs, url, local):
+    """A copy of everything under url/ in the local folder (to compare tensors, metrics)."""
+    fs.invalidate_cache()
+    fs.get(url.rstrip("/") + "/", str(local), recursive=True)
+    return str(local)
+
+
+def store_latest(fs, url):
+    fs.invalidate_cache()
+    return fs.cat_file(f"{url}/checkpoints/latest").decode().strip()
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, addition_jsonl):
+    """The uninterrupted run, on local disk."""
+    out = str(tmp_path_factory.mktemp("straight"))
+    run("train_sft.py", *sft(out, addition_jsonl, "--save_every", 2))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sft_on_store(store, addition_jsonl, tmp_path_factory):
+    """SFT on the store, stopped at step 3 (saves at 2 and 3); an unfinished save planted; resumed
+    to the end on a fresh local folder (a new machine). Returns (url, its logs, scratch folder)."""
+    fs, _ = store
+    tmp = tmp_path_factory.mktemp("sft-store")
+    url = f"s3://{BUCKET}/sft"
+    first = ("--save_every", 2, "--stop_at_step", 3, "--local_dir", tmp / "first")
+    run("train_sft.py", *sft(url, addition_jsonl, *first))
+    assert store_latest(fs, url) == "step-00000003"
+    # a save killed before its manifest: objects under a prefix with no manifest
+    fs.pipe_file(f"{BUCKET}/sft/checkpoints/step-00000005/dcp/__0_0.distcp", b"half")
+    local = str(tmp / "logs")  # a new machine: no local logs, they come from the store
+    run("train_sft.py", *sft(url, addition_jsonl, "--resume", "latest", "--local_dir", local))
+    return url, local, tmp
+
+
+def test_sft_save_resume_verify_export(store, straight, sft_on_store):
+    """The resumed run on the store: the same tensors, metrics and export as the straight local
+    run; the unfinished save deleted, the lock released; verify and export on store URLs."""
+    fs, _ = store
+    url, local, tmp = sft_on_store
+    fs.invalidate_cache()
+    assert not fs.exists(f"{BUCKET}/sft/checkpoints/step-00000005/dcp/__0_0.distcp")
+    assert not fs.exists(f"{BUCKET}/sft/.lock")  # released at the clean exit
+    copy = fetch(fs, url, tmp / "copy")
+    assert_same_tensors(latest(straight), latest(copy))
+    assert metrics(copy) == metrics(straight)
+    assert metrics(local) == metrics(straight)
+    want = load_file(os.path.join(straight, "hf", "model.safetensors"))
+    got = load_file(os.path.join(copy, "hf", "model.safetensors"))
+    assert want.keys() == got.keys() and all((want[k] == got[k]).all() for k in want)
+    ckpt = f"{url}/checkpoints/step-{N:08d}"
+    p = run_py("checkpoint.py", "verify", ckpt)
+    assert p.returncode == 0 and f"ok, step {N}" in p.stdout, p.stderr
+    p = run_py("checkpoint.py", "export", ckpt, tmp / "export")
+    assert p.returncode == 0, p.stderr
+    exported = load_file(str(tmp / "export" / "model.safetensors"))
+    assert all((want[k] == exported[k]).all() for k in want)
+
+
+def test_corrupted_object_is_detected_with_fallback(store, sft_on_store, capsys):
+    """A flipped byte in the latest checkpoint's shard: verify names the object, and the resume's
+    pick (checkpoint.py: _choose, in-process) falls back to the checkpoint before it."""
+    fs, _ = store
+    url, _, _ = sft_on_store
+    shard = f"{BUCKET}/sft/checkpoints/step-{N:08d}/dcp/__1_0.distcp"
+    data = bytearray(fs.cat_file(shard))
+    data[len(data) // 2] ^= 1
+    fs.pipe_file(shard, bytes(data))
+    p = run_py("checkpoint.py", "verify", f"{url}/checkpoints/step-{N:08d}")
+    assert p.returncode == 1 and "__1_0.distcp: checksum mismatch" in p.stderr, p.stderr
+    import checkpoint
+
+    path, error = checkpoint._choose(f"{url}/checkpoints", "latest")
+    assert error is None and path == f"{url}/checkpoints/step-00000003"
+    assert f"skipping checkpoint step-{N:08d}" in capsys.readouterr().out
+    # --resume s3://.../step-N: that one, or one line naming the damaged object
+    good = f"{url}/checkpoints/step-00000003"
+    assert checkpoint._choose(f"{url}/checkpoints", good) == (good, None)
+    path, error = checkpoint._choose(f"{url}/checkpoints", f"{url}/checkpoints/step-{N:08d}")
+    assert path == "" and "__1_0.distcp: checksum mismatch" in error
+
+
+def popen(url, data, *extra, env=None):
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", os.path.join(REPO, "train_sft.py")]
+    cmd += [*map(str, sft(url, data, *extra))]
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def unfinished(fs, name):
+    """The step prefixes of s3://BUCKET/name holding objects but no manifest: saves under way."""
+    fs.invalidate_cache()
+    steps = {}
+    for key in fs.find(f"{BUCKET}/{name}/checkpoints/"):
+        parts = key.split("/")  # bucket, name, "checkpoints", step-N, ...
+        if len(parts) > 4:
+            steps.setdefault(parts[3], set()).add("/".join(parts[4:]))
+    return sorted(step for step, files in steps.items() if "manifest.json" not in files)
+
+
+def test_sigkills_during_saves_then_resume(store, straight, addition_jsonl, tmp_path):
+    """SIGKILL the whole tree at random moments while every step saves (twice in the middle of a
+    save: objects written, no manifest yet; every other run saves asynchronously), then --resume
+    latest, until the run completes: the straight run's weights; each start deletes the killed
+    save's objects."""
+    fs, _ = store
+    url = f"s3://{BUCKET}/kills"
+    local = str(tmp_path / "logs")
+    rng = random.Random(15)
+    flags = ("--save_every", 1, "--keep_last", 2, "--resume", "latest", "--local_dir", local)
+    mid_save = []
+    for attempt in range(4):
+        async_save = ["false", "true"][attempt % 2]  # DCP's background writer to the store too
+        proc = popen(url, addition_jsonl, *flags, "--async_save", async_save)
+        if attempt < 3:
+            done = logged_steps(local)
+            t0 = time.time()
+            while proc.poll() is None and time.time() - t0 < 300:
+                if attempt != 1 and unfinished(fs, "kills"):
+                    break  # a save is being written
+                if attempt == 1 and logged_steps(local) > done:
+                    time.sleep(rng.uniform(0.0, 1.5))  # anywhere: in a step or a save
+                    break
+                time.sleep(0.01)
+            kill_tree(proc.pid)
+            mid_save += unfinished(fs, "kills")
+            continue
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-3000:]
+    assert mid_save, "no kill landed in the middle of a save"
+    assert not unfinished(fs, "kills")  # the starts deleted them
+    assert_same_tensors(latest(straight), latest(fetch(fs, url, tmp_path / "copy")))
+
+
+def test_server_gone_mid_save_is_one_clear_error(store, addition_jsonl, tmp_path):
+    """The store unreachable while a save is written: one error line, exit 1; in the store, the
+    previous checkpoint is still latest and verifies."""
+    fs, port = store
+    proxy = Proxy(port)
+    url = f"s3://{BUCKET}/gone"
+    local = str(tmp_path / "logs")
+    env = {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{proxy.port}", "AWS_MAX_ATTEMPTS": "2"}
+    proc = popen(url, addition_jsonl, "--save_every", 1, "--local_dir", local, env=env)
+    t0 = time.time()
+    while logged_steps(local) < 3 and proc.poll() is None and time.time() - t0 < 300:
+        time.sleep(0.01)
+    proxy.stop()
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 1, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert errors and "not saved" in errors[0] and "is intact and latest" in errors[0], out[-3000:]
+    kept = store_latest(fs, url)
+    assert kept in errors[0]
+    p = run_py("checkpoint.py", "verify", f"{url}/checkpoints/{kept}")
+    assert p.returncode == 0, p.stderr
+
+
+def ppo(out, *extra):
+    import task
+
+    args = ("--model", task.TINY_MODEL, "--out_dir", out, "--rollout_batch_size", 16)
+    args += ("--n_samples_per_prompt", 2, "--train_batch_size", 16, "--micro_batch_size", 8)
+    args += ("--max_new_tokens", 6, "--max_steps", 2, "--eval_every", 0, "--eval_samples", 16)
+    args += ("--save_every", 100, "--rollout_engine", "hf", *extra)
+    return args
+
+
+def test_ppo_save_resume_export(store, tmp_path):
+    """PPO (actor, critic, both optimizers, the KL controller, sampled responses) stopped at step 1
+    of 2 on the store and resumed: the same metrics and tensors as an uninterrupted local run; the
+    critic exports from the store."""
+    fs, _ = store
+    straight = str(tmp_path / "straight")
+    run("train_ppo.py", *ppo(straight))
+    url = f"s3://{BUCKET}/ppo"
+    local = ("--local_dir", tmp_path / "logs")
+    run("train_ppo.py", *ppo(url, "--stop_at_step", 1, *local))
+    p = run("train_ppo.py", *ppo(url, "--resume", "latest", *local))
+    assert "at step 1" in p.stdout + p.stderr
+    copy = fetch(fs, url, tmp_path / "copy")
+    assert metrics(copy) == metrics(straight)
+    assert_same_tensors(latest(straight), latest(copy))  # actor, critic and both optimizers
+    ckpt = f"{url}/checkpoints/step-00000002"
+    p = run_py("checkpoint.py", "export", ckpt, tmp_path / "critic", "--role", "critic")
+    assert p.returncode == 0 and os.path.exists(tmp_path / "critic" / "model.safetensors"), p.stderr
+
+
+# ---- crafted checkpoints on the store, in-process (no torchrun) ----------------------------------
+def small_on_store(fs, tmp_path, name):
+    """conftest's small checkpoint (meta, RNG, a.bin, sub/b.bin, manifest) copied to the store."""
+    from conftest import write_small_checkpoint
+
+    local = tmp_path / name
+    local.mkdir()
+    write_small_checkpoint(local)
+    fs.put(str(local) + "/", f"{BUCKET}/crafted/{name}/", recursive=True)
+    return f"s3://{BUCKET}/crafted/{name}"
+
+
+def test_crafted_manifests_and_objects_on_the_store(store, tmp_path):
+    """verify on a store: unlisted objects, paths leaving the prefix, sizes other than the
+    manifest's, each refused in one line."""
+    import checkpoint
+
+    fs, _ = store
+    url = small_on_store(fs, tmp_path, "ok")
+    assert checkpoint.verify(url)["step"] == 1
+    url = small_on_store(fs, tmp_path, "extra")
+    fs.pipe_file(f"{BUCKET}/crafted/extra/c.bin", b"!")
+    with pytest.raises(checkpoint.CheckpointError, match="c.bin: not listed in the manifest"):
+        checkpoint.verify(url)
+    url = small_on_store(fs, tmp_path, "bigger")
+    fs.pipe_file(f"{BUCKET}/crafted/bigger/a.bin", b"hello" * 1000)  # read no further than 5
+    with pytest.raises(checkpoint.CheckpointError, match="a.bin: size 5000, manifest says 5"):
+        checkpoint.verify(url)
+    url = small_on_store(fs, tmp_path, "dotdot")
+    manifest = json.loads(fs.cat_file(f"{BUCKET}/crafted/dotdot/manifest.json"))
+    manifest["files"]["../ok/a.bin"] = manifest["files"]["a.bin"]
+    fs.pipe_file(f"{BUCKET}/crafted/dotdot/manifest.json", json.dumps(manifest).encode())
+    with pytest.raises(checkpoint.CheckpointError, match="not a plain name inside"):
+        checkpoint.verify(url)
+
+
+def test_crafted_metadata_on_the_store_reads_only_listed_objects(store, tmp_path):
+    """A .metadata whose storage entries name an object the manifest does not list (another
+    checkpoint's, via ..) or a byte range beyond the listed size: refused before DCP reads."""
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import checkpoint
+
+    fs, _ = store
+    folder = tmp_path / "dcp"
+    dcp.save({"t": torch.arange(1000.0)}, checkpoint_id=str(folder), no_dist=True)
+    fs.put(str(folder) + "/", f"{BUCKET}/meta/dcp/", recursive=True)
+    url = f"s3://{BUCKET}/meta/dcp"
+    sizes = {p.name: p.stat().st_size for p in folder.iterdir()}
+    state = {"t": torch.zeros(1000)}
+    checkpoint.dcp_load(state, url, no_dist=True, sizes=sizes)
+    assert torch.equal(state["t"], torch.arange(1000.0))
+    crafted = [({"relative_path": "../x.distcp"}, "not an object listed here")]
+    crafted += [({"length": 3 << 30}, "reads bytes")]
+    for changes, needle in crafted:
+        md = pickle.loads((folder / ".metadata").read_bytes())  # our own file, just written
+        for index, info in md.storage_data.items():
+            md.storage_data[index] = type(info)(**{**info.__dict__, **changes})
+        fs.pipe_file(f"{BUCKET}/meta/dcp/.metadata", pickle.dumps(md))
+        sizes[".metadata"] = len(pickle.dumps(md))
+        with pytest.raises(checkpoint.CheckpointError, match=needle):
+            checkpoint.dcp_load({"t": torch.zeros(1000)}, url, no_dist=True, sizes=sizes)
+    sizes[".metadata"] -= 1  # the object is larger than the manifest says: read no further
+    with pytest.raises(checkpoint.CheckpointError, match="larger than the"):
+        checkpoint.dcp_load({"t": torch.zeros(1000)}, url, no_dist=True, sizes=sizes)
