@@ -435,14 +435,7 @@ def verify(path):
         return _verify_store(path)
     if os.path.islink(path):
         raise CheckpointError(f"{path}: a symlink, not a checkpoint folder")
-    manifest_path = os.path.join(path, "manifest.json")
-    try:
-        manifest = _read_json(manifest_path)
-    except (OSError, CheckpointError) as e:
-        raise CheckpointError(
-            f"{manifest_path}: missing or unreadable (not a checkpoint, or an unfinished one: {e})"
-        )
-    _check_manifest(manifest, manifest_path)
+    manifest = _read_manifest(path)
     entries = _entries(path)
     for rel, mode in sorted(entries.items()):
         where = os.path.join(path, rel)
@@ -456,10 +449,8 @@ def verify(path):
     return manifest
 
 
-def _verify_store(path):
-    """verify() for a checkpoint on a store: its manifest exists (the commit), lists exactly the
-    objects under the prefix, each of plain relative name, of the listed size and sha256 (read no
-    further than that size)."""
+def _read_manifest(path):
+    """The checkpoint's manifest.json, read and checked (on a disk or a store alike)."""
     manifest_path = os.path.join(path, "manifest.json")
     try:
         manifest = _read_json(manifest_path)
@@ -468,6 +459,14 @@ def _verify_store(path):
             f"{manifest_path}: missing or unreadable (not a checkpoint, or an unfinished one: {e})"
         )
     _check_manifest(manifest, manifest_path)
+    return manifest
+
+
+def _verify_store(path):
+    """verify() for a checkpoint on a store: its manifest exists (the commit), lists exactly the
+    objects under the prefix, each of plain relative name, of the listed size and sha256 (read no
+    further than that size)."""
+    manifest = _read_manifest(path)
     found = _store_call(objstore.listing, path)
     for rel in sorted(set(found) | set(manifest["files"])):
         where = os.path.join(path, rel)
