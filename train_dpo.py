@@ -76,7 +76,7 @@ class Args:
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this"""
     beta: float = 0.1
-    """β of eq. 7: the strength of the implicit KL constraint to the reference (smaller: further)"""
+    """β of eq. 7: the strength of the implicit KL constraint to the reference (smaller: looser)"""
     label_smoothing: float = 0.0
     """ε of conservative DPO: the labels are taken as flipped with probability ε (sigmoid loss
     only)"""
