@@ -45,6 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
@@ -1127,7 +1128,10 @@ def _export(path, hf, out, role):
         model.generation_config = generation_config
     # save_pretrained only logs an error and returns when `out` is a file: raise here instead
     os.makedirs(out, exist_ok=True)
-    model.save_pretrained(out)
+    try:
+        model.save_pretrained(out)
+    except SafetensorError as e:  # a full disk, seen on a GPU machine: an OSError, said in a line
+        raise OSError(f"{out}: {str(e).splitlines()[0]}") from None
     tok.save_pretrained(out)
 
 

@@ -120,6 +120,23 @@ def test_export_runs_no_code_from_the_checkpoint(copy, tmp_path):
     assert_one_line_error(p, "hf: cannot load")
 
 
+def test_an_export_that_cannot_be_written_is_one_line(done, tmp_path):
+    """A write that fails inside safetensors (here the file-size limit, `ulimit -f`, below the
+    model's 3.6 MB; a full disk alike, seen on a GPU machine) raised its own SafetensorError, a
+    traceback wall: now one line naming the export folder and the reason."""
+    import resource
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))  # 1 MiB per file
+
+    out = tmp_path / "export"
+    cmd = [PY, "checkpoint.py", "export", latest(done), str(out)]
+    p = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=REPO, timeout=120, preexec_fn=limit_file_size
+    )
+    assert_one_line_error(p, f"error: {out}: Error while serializing", "File too large")
+
+
 def test_a_refused_pickle_is_one_line(copy, tmp_path, addition_jsonl):
     """DCP wraps the refusal in its CheckpointException (no Exception subclass): still one line."""
     ckpt = latest(copy)
