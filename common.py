@@ -664,7 +664,16 @@ def finish(args, step, final, role=None):
         raise SystemExit(1)  # rank 0 says why
     upload_logs(args)
     if step == args.max_steps and final:  # (a run stopped early said so in `end_of_step`)
-        print0(f"done: {step} steps; checkpoint {final}; model {hf}")
+        print0(f"done: {step} steps; checkpoint {final}; model {hf}{peak_gpu_memory()}")
+
+
+def peak_gpu_memory():
+    """On a GPU, "; peak GPU memory X GiB": the most this rank's tensors held at once (PyTorch's
+    allocator, so the CUDA context and allocator slack are not in it); "" on CPU. What
+    --gradient_checkpointing and --offload_frozen save is measured with it (bench/gpu.py)."""
+    if not torch.cuda.is_available():
+        return ""
+    return f"; peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
 
 
 def run(main, cls, limits):
