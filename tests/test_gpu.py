@@ -64,7 +64,7 @@ def test_qwen2_sft_then_ppo_hf_engine_on_gpu(tmp_path):
         rows = metrics(out)[1:]
         assert len(rows) == 3
         for row in rows:
-            # the HF engine samples in fp32, the actor computes in bf16: the same weights, ~1e-2 apart
+            # the HF engine samples in fp32, the actor computes in bf16: ~1e-2 apart
             assert row["rollout/logprob_diff_mean"] < 5e-2, row
             assert row["policy/first_ratio_dev"] == 0.0, row
     same = metrics(str(tmp_path / "ppo-offload-false"))
