@@ -9,10 +9,11 @@ is tested against. This file holds the engines and the weight sync only; how a r
 tensors for PPO (`make_batch`, logprobs, values) is in train_ppo.py.
 
 Reproducible sampling: prompt i of step s gets seed f(run seed, s, global index of i), its n samples
-seeds seed+0..n-1 (vLLM's own rule), so a resumed step regenerates the same responses whatever the
-batching. On CPU (fp32) that is bitwise. On GPU, logits can differ in the last bits with the batch
-composition (batch-dependent kernels, bf16) and flip a near-tie sample: resumed runs then drift
-slowly. Exact GPU replay needs vLLM's batch-invariant mode.
+seeds seed+0..n-1 (vLLM's own rule; the HF engine's `InverseCDFSampler` follows it), so a resumed
+step regenerates the same responses whatever the batching. On CPU (fp32) that is bitwise. On GPU,
+logits can differ in the last bits with the batch composition (batch-dependent kernels, bf16) and
+flip a near-tie sample: resumed runs then drift slowly. Exact GPU replay needs vLLM's
+batch-invariant mode.
 
 Logprobs: the engines return logprobs of the sampled tokens under the *sampling* distribution
 (temperature and top-p applied: vLLM's `processed_logprobs`). PPO recomputes the old logprobs with
@@ -203,7 +204,8 @@ def _vllm_reload_weights(llm, named_tensors):
 
 class HFEngine:
     """transformers `generate` on an unsharded copy of the actor (no collectives while
-    generating)."""
+    generating), every prompt of a call in one batch. (It was one `generate` per prompt, to give
+    each prompt its own RNG stream: 15x slower on CPU, and 87% of a PPO iteration on an H100.)"""
 
     def __init__(self, model_path, max_model_len, seed, stop_ids, attn_implementation=None):
         from transformers import AutoModelForCausalLM
@@ -231,47 +233,38 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompt_token_ids, n, max_new_tokens, temperature, top_p, seeds):
-        gen = Generation([], [], [])
-        for prompt, seed in zip(prompt_token_ids, seeds):
-            new, logprobs = self.sample(prompt, n, max_new_tokens, temperature, top_p, seed)
-            for row, lp in zip(new.tolist(), logprobs.tolist()):
-                stops = [i for i, token in enumerate(row) if token in self.stop_ids]
-                end = len(row)
-                if stops:
-                    end = stops[0] + 1  # the first stop token ends the response
-                gen.response_ids.append(row[:end])
-                gen.logprobs.append(lp[:end])
-                gen.finished.append(bool(stops))
-        return gen
+        """Every prompt's n samples in one batched `generate` (left-padded). The sampling itself is
+        `InverseCDFSampler`'s: row k of prompt i draws from its own uniforms, seeded seed_i + k as
+        vLLM seeds its samples, so a prompt's samples do not depend on what it is batched with."""
+        prompts = [prompt for prompt in prompt_token_ids for _ in range(n)]  # prompt-major
+        row_seeds = [seed + k for seed in seeds for k in range(n)]
+        width = max(len(prompt) for prompt in prompts)
+        pad = self.stop_ids[0]
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [N, P]
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [N, P]
+        from transformers import LogitsProcessorList
 
-    def sample(self, prompt, n, max_new_tokens, temperature, top_p, seed):
-        """n samples of one prompt: (new token ids [n, T], their logprobs [n, T]). Past EOS, the
-        rows hold the first stop id (the pad id given to generate) until the longest sample ends."""
-        device = self.model.device
-        ids = torch.tensor([prompt] * n, device=device)
-        cuda_devices = []
-        if device.type == "cuda":
-            cuda_devices = [device]
-        # One RNG stream per prompt, seeded like vLLM's: the samples do not depend on batching.
-        with torch.random.fork_rng(devices=cuda_devices):
-            torch.manual_seed(seed)
-            out = self.model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=temperature > 0,
-                temperature=temperature or None,
-                top_p=top_p,
-                top_k=0,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=self.stop_ids,
-                pad_token_id=self.stop_ids[0],
-                output_scores=True,
-                return_dict_in_generate=True,
-            )
-        new = out.sequences[:, len(prompt) :]  # [n, T]
-        scores = torch.stack(out.scores, 1).float().log_softmax(-1)  # [n, T, V]: processed logits
-        logprobs = scores.gather(-1, new[..., None])[..., 0]  # [n, T]
-        return new, logprobs
+        sampler = InverseCDFSampler(row_seeds, max_new_tokens, temperature, top_p)
+        out = self.model.generate(
+            ids.to(self.model.device),
+            attention_mask=mask.to(self.model.device),
+            do_sample=False,  # greedy over the sampler's output: the token it drew
+            logits_processor=LogitsProcessorList([sampler]),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=self.stop_ids,
+            pad_token_id=pad,
+        )
+        new = out[:, width:].tolist()  # [N, T]: past a row's EOS, the pad (first stop) id
+        gen = Generation([], [], [])
+        for row, logprobs in zip(new, sampler.logprobs().tolist()):
+            stops = [i for i, token in enumerate(row) if token in self.stop_ids]
+            end = len(row)
+            if stops:
+                end = stops[0] + 1  # the first stop token ends the response
+            gen.response_ids.append(row[:end])
+            gen.logprobs.append(logprobs[:end])
+            gen.finished.append(bool(stops))
+        return gen
 
     def sleep(self):
         pass
@@ -283,6 +276,58 @@ class HFEngine:
     def load_weights(self, named_tensors):
         for name, tensor in named_tensors:
             self.params[name].copy_(tensor)
+
+
+class InverseCDFSampler:
+    """A logits processor that samples, for the HF engine's batched `generate` (run greedy, so the
+    one token left finite is the one taken). Row r draws step t's token by inverse-CDF sampling
+    with uniform u[r, t] from its own generator (CPU, seeded per row: the same draws on any device
+    and in any batch): the token whose cumulative probability first exceeds u. It keeps the
+    token's logprob under the sampling distribution (temperature and top-p applied: what vLLM's
+    processed_logprobs are), one [N] per step, never generate's [N, T, V] output_scores.
+
+    Temperature 0 is greedy: the argmax, its logprob under the untempered softmax."""
+
+    def __init__(self, row_seeds, max_new_tokens, temperature, top_p):
+        self.temperature = temperature
+        self.top_p = top_p
+        uniforms = []
+        for seed in row_seeds:
+            generator = torch.Generator().manual_seed(seed)
+            uniforms.append(torch.rand(max_new_tokens, generator=generator, dtype=torch.float64))
+        self.uniforms = torch.stack(uniforms)  # [N, T]
+        self.taken = []  # per step: [N] logprobs of the tokens drawn
+
+    def __call__(self, input_ids, scores):
+        logprobs = scores.float().log_softmax(-1)  # [N, V]
+        if self.temperature > 0:
+            logprobs = (scores.float() / self.temperature).log_softmax(-1)
+        if self.top_p < 1:
+            logprobs = nucleus(logprobs, self.top_p)
+        tokens = logprobs.argmax(-1)  # [N]
+        if self.temperature > 0:
+            cdf = logprobs.double().exp().cumsum(-1)  # [N, V]
+            u = self.uniforms[:, len(self.taken)].to(cdf.device)  # [N]
+            # right=True: the first token whose cdf > u*total; a zero-probability token (an empty
+            # interval) is never drawn, and the scaling by the total absorbs rounding
+            tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+        self.taken.append(logprobs.gather(-1, tokens[:, None])[:, 0])
+        return torch.full_like(scores, -float("inf")).scatter_(-1, tokens[:, None], 0.0)
+
+    def logprobs(self):
+        return torch.stack(self.taken, 1).cpu()  # [N, T]
+
+
+def nucleus(logprobs, top_p):
+    """Top-p (Holtzman et al. 2020): keep the most likely tokens until their mass reaches top_p,
+    renormalised; the others get -inf. As transformers' TopPLogitsWarper (the token that crosses
+    top_p stays in)."""
+    sorted_logprobs, order = logprobs.sort(-1, descending=True)  # [N, V]
+    probs = sorted_logprobs.exp()
+    mass_before = probs.cumsum(-1) - probs  # [N, V]: the mass of the tokens ranked above
+    sorted_logprobs = sorted_logprobs.masked_fill(mass_before >= top_p, -float("inf"))
+    kept = torch.full_like(logprobs, -float("inf")).scatter(-1, order, sorted_logprobs)
+    return kept.log_softmax(-1)
 
 
 def sync_weights(engine, model):

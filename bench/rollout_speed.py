@@ -4,8 +4,8 @@
 Same model, prompts and sampling settings for both engines, measured in one run: 64 prompts x 32 new
 tokens at temperature 1, medians of 3 after a warm-up; tokens/s counts the tokens actually generated
 (EOS is id 127, which the random models rarely pick). One process per size: vLLM's shutdown tears
-down the process group. The HF engine decodes prompt by prompt (one seeded RNG stream per prompt, so
-samples do not depend on batching), which is most of the gap at these sizes.
+down the process group. The HF engine decodes every prompt in one batched `generate` (until
+2026-11-23 it decoded prompt by prompt, which was most of the gap in bench/RESULTS.md's rows then).
 """
 
 import json

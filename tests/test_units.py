@@ -12,6 +12,7 @@ import torch
 
 import checkpoint
 import common
+import rollout
 import task
 import train_sft
 from conftest import REPO
@@ -184,3 +185,62 @@ def test_a_store_url_without_its_client_is_one_line(script):
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 1 and len(lines) == 1, p.stderr[-2000:]
     assert lines[0].startswith("error: ") and "pip install s3fs" in lines[0]
+
+
+def sampler_draw(probs, u, temperature=1.0, top_p=1.0):
+    """InverseCDFSampler's token for one row with the given uniform, and its logprob."""
+    sampler = rollout.InverseCDFSampler([0], 1, temperature, top_p)
+    sampler.uniforms = torch.tensor([[u]], dtype=torch.float64)
+    scores = sampler(torch.zeros(1, 1, dtype=torch.long), torch.tensor([probs]).log())
+    token = int(scores.argmax())
+    assert scores[0, token] == 0 and torch.isinf(scores).sum() == len(probs) - 1
+    return token, float(sampler.logprobs()[0, 0])
+
+
+def test_inverse_cdf_sampler_by_hand():
+    """probs [0.5, 0, 0.25, 0.25]: cdf [0.5, 0.5, 0.75, 1]; u picks the first token whose cdf
+    exceeds it (token 1, of probability 0, has an empty interval)."""
+    probs = [0.5, 0.0, 0.25, 0.25]
+    assert sampler_draw(probs, 0.0)[0] == 0
+    assert sampler_draw(probs, 0.4999)[0] == 0
+    assert sampler_draw(probs, 0.5001)[0] == 2
+    assert sampler_draw(probs, 0.74)[0] == 2
+    assert sampler_draw(probs, 0.76)[0] == 3
+    assert sampler_draw(probs, 0.999)[0] == 3
+    token, logprob = sampler_draw(probs, 0.6)
+    assert token == 2 and math.isclose(logprob, math.log(0.25), rel_tol=1e-6)
+    # temperature 2: probs ∝ sqrt(p) = [0.707, 0, 0.5, 0.5] / 1.707 -> cdf [0.414, 0.414, 0.707, 1]
+    token, logprob = sampler_draw(probs, 0.45, temperature=2.0)
+    assert token == 2 and math.isclose(logprob, math.log(0.5 / 1.70710678), rel_tol=1e-6)
+    # temperature 0: greedy, the untempered logprob
+    token, logprob = sampler_draw([0.2, 0.7, 0.1], 0.01, temperature=0.0)
+    assert token == 1 and math.isclose(logprob, math.log(0.7), rel_tol=1e-6)
+
+
+def test_nucleus_matches_transformers_top_p():
+    """Top-p 0.7 of [0.5, 0.3, 0.2]: 0.5 and 0.3 stay (0.3 crosses 0.7), renormalised to 0.625 and
+    0.375; the same tokens as transformers' TopPLogitsWarper keeps, on random rows too."""
+    from transformers import TopPLogitsWarper
+
+    kept = rollout.nucleus(torch.tensor([[0.5, 0.3, 0.2]]).log(), 0.7).exp()
+    assert torch.allclose(kept, torch.tensor([[0.625, 0.375, 0.0]]))
+    assert sampler_draw([0.5, 0.3, 0.2], 0.99, top_p=0.7)[0] == 1
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0)) * 3
+    for top_p in (0.3, 0.8, 0.95):
+        ours = torch.isfinite(rollout.nucleus(logits.log_softmax(-1), top_p))
+        theirs = torch.isfinite(TopPLogitsWarper(top_p)(None, logits.clone()))
+        assert torch.equal(ours, theirs), top_p
+
+
+def test_inverse_cdf_sampler_draws_the_distribution_and_its_seeds():
+    """20,000 rows of one distribution: frequencies within 0.015 of the probabilities, never the
+    token of probability 0; a row's draws depend on its own seed only (the same seed in another
+    batch, the same tokens)."""
+    probs = torch.tensor([0.1, 0.6, 0.0, 0.3])
+    n = 20000
+    sampler = rollout.InverseCDFSampler(list(range(n)), 1, 1.0, 1.0)
+    tokens = sampler(None, probs.log().expand(n, 4)).argmax(-1)
+    frequencies = torch.bincount(tokens, minlength=4) / n
+    assert (frequencies - probs).abs().max() < 0.015 and frequencies[2] == 0, frequencies
+    alone = rollout.InverseCDFSampler([7], 1, 1.0, 1.0)
+    assert alone(None, probs.log()[None]).argmax(-1)[0] == tokens[7]
