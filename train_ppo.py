@@ -96,7 +96,8 @@ class Args:
     cliprange_value: float = 0.2
     """value clip around the old values; 0: no value clipping [N policy #10]"""
     kl_coef: float = 0.05
-    """beta of the per-token KL penalty (initial value when adaptive)"""
+    """beta of the per-token KL penalty (initial value when adaptive); 0 (and no --target_kl):
+    no reference model is loaded or run"""
     target_kl: float = 0.0
     """> 0: adaptive KL controller aiming at this KL per response, horizon 10k responses; 0: fixed
     beta"""
@@ -428,7 +429,7 @@ class Models:
     """The four roles. Only actor and critic train; their optimizers live in `roles`."""
 
     actor: torch.nn.Module
-    ref: torch.nn.Module  # frozen: the KL anchor
+    ref: torch.nn.Module | None  # frozen: the KL anchor; None when no KL is asked for
     critic: torch.nn.Module | None  # gae only
     reward_model: torch.nn.Module | None  # --reward_model only; else --reward_fn scores
     reward_tokenizer: object = None  # the reward model's own tokenizer
@@ -439,8 +440,12 @@ def build_models(args, device):
     """(Models, tokenizer, roles = {name: (model, optimizer)} for the trained ones)."""
     attention = args.attn_implementation
     actor, tok = common.load_model_and_tokenizer(args.model, AutoModelForCausalLM, attention)
-    ref, _ = common.load_model_and_tokenizer(args.model, AutoModelForCausalLM, attention)
-    models = Models(actor, ref.requires_grad_(False), None, None)
+    # --kl_coef 0, no --target_kl: the KL weighs nothing; no reference (as TRL's GRPO at beta 0)
+    ref = None
+    if args.kl_coef > 0 or args.target_kl > 0:
+        ref, _ = common.load_model_and_tokenizer(args.model, AutoModelForCausalLM, attention)
+        ref.requires_grad_(False)
+    models = Models(actor, ref, None, None)
     if args.advantage_estimator == "gae":
         # The critic: the SFT backbone and a value head; a zero head gives zero initial values
         # [N policy #2]; a separate network from the actor [37 core #13].
@@ -685,7 +690,7 @@ class Experience:
 
     batch: RolloutBatch
     old_logprobs: torch.Tensor  # [B, R] log pi_old(y_t), the policy that sampled
-    ref_logprobs: torch.Tensor  # [B, R] log pi_ref(y_t), the frozen reference
+    ref_logprobs: torch.Tensor | None  # [B, R] log pi_ref(y_t), the frozen reference (if any)
     old_values: torch.Tensor | None  # [B, R] V_old(s_t) (critic only)
     advantages: torch.Tensor | None = None  # [B, R]
     returns: torch.Tensor | None = None  # [B, R] the value targets (critic only)
@@ -705,12 +710,15 @@ def old_logprobs_and_values(args, models, tok, prompt_ids, responses, order, dev
         chunks.append(batch.select(slice(start, start + args.micro_batch_size)))
     mask = batch.response_mask
     old_logprobs = torch.cat([logprobs_of(models.actor, c, args.temperature) for c in chunks])
-    ref_logprobs = torch.cat([logprobs_of(models.ref, c, args.temperature) for c in chunks])
+    ref_logprobs = None
+    if models.ref is not None:
+        ref_logprobs = torch.cat([logprobs_of(models.ref, c, args.temperature) for c in chunks])
+        ref_logprobs = ref_logprobs * mask
     old_values = None
     if models.critic is not None:
         old_values = torch.cat([values_of(models.critic, c) for c in chunks]) * mask
     # padding masked out of every loss and statistic
-    return Experience(batch, old_logprobs * mask, ref_logprobs * mask, old_values)
+    return Experience(batch, old_logprobs * mask, ref_logprobs, old_values)
 
 
 def logprob_gap(exp, engine_logprobs, order):
@@ -736,14 +744,17 @@ def compute_advantages(args, exp, scores, order, kl_coef):
     grpo / rloo: one advantage per response from its group, spread over its tokens. Groups need
     the rollout's prompt-major order back: the rows of `exp` are in the shuffled order `order`."""
     mask = exp.batch.response_mask
+    ref_logprobs = exp.ref_logprobs
+    if ref_logprobs is None:  # no reference (--kl_coef 0): a KL of 0, weighed by 0 (not logged)
+        ref_logprobs = exp.old_logprobs
     if args.advantage_estimator == "gae":
-        rewards, kl = compute_rewards(scores, exp.old_logprobs, exp.ref_logprobs, mask, kl_coef)
+        rewards, kl = compute_rewards(scores, exp.old_logprobs, ref_logprobs, mask, kl_coef)
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False)  # [N policy #9]
         advantages, exp.returns = compute_gae(rewards, exp.old_values, mask, args.gamma, args.lam)
         exp.advantages = masked_whiten(advantages, mask)  # [N policy #9]
         return kl
-    kl = (exp.old_logprobs - exp.ref_logprobs) * mask
+    kl = (exp.old_logprobs - ref_logprobs) * mask
     # rloo folds the KL into the sequence reward (Ahmadian et al.); grpo keeps it a loss term
     # (`ppo_loss`), as dividing by a group's std would blow up the KL's noise.
     sequence_rewards = scores
@@ -780,7 +791,7 @@ def ppo_loss(args, models, exp, rows, n_tokens, kl_coef):
         "policy/approxkl": approxkl.detach(),
     }
     kl_term = torch.zeros((), device=mask.device)
-    if args.advantage_estimator == "grpo":
+    if args.advantage_estimator == "grpo" and exp.ref_logprobs is not None:
         kl = kl_loss(logprobs, exp.ref_logprobs[rows], mask, n_tokens)
         kl_term = kl_coef * kl
         stats["policy/kl_loss"] = kl.detach()
@@ -881,10 +892,11 @@ def rollout_sums(raw_scores, gen, kl, exp, gap, gold):
         "score": raw_scores.sum().item(),
         "finished": float(sum(gen.finished)),
         "responses": len(raw_scores),
-        "kl": kl.sum().item(),
         "nll": (-exp.old_logprobs * mask).sum().item(),
         "tokens": mask.sum().item(),
     }
+    if exp.ref_logprobs is not None:  # else no reference, and no KL to it is measured
+        sums["kl"] = kl.sum().item()
     if gold is not None:
         sums["gold_score"] = gold.sum().item()
     return sums
@@ -899,12 +911,13 @@ def iteration_metrics(update_stats, rollout_stats, device):
     n = totals["responses"]
     metrics = {
         "objective/score": totals["score"] / n,  # the raw score, before the EOS penalty
-        "objective/kl": totals["kl"] / n,  # sum over a response's tokens, mean over responses
         "objective/entropy": totals["nll"] / totals["tokens"],  # of the sampled tokens, per token
         "objective/no_eos_frac": 1 - totals["finished"] / n,
         "objective/response_len": totals["tokens"] / n,
         "rollout/logprob_diff_mean": totals["logprob_gap"] / totals["tokens"],
     }
+    if "kl" in totals:  # sum over a response's tokens, mean over responses
+        metrics["objective/kl"] = totals["kl"] / n
     if "gold_score" in totals:  # the rule beside the learned reward, never trained on
         metrics["objective/gold_score"] = totals["gold_score"] / n
     for name in update_stats:
@@ -1068,7 +1081,10 @@ def main(args):
             write_samples(common.local_dir(args), step, prompts, raw_scores, gen, tok, n)
         pbar.update(1)
         score_text = f"{metrics['objective/score']:.3f}"
-        pbar.set_postfix(score=score_text, kl=f"{metrics['objective/kl']:.3f}")
+        postfix = {"score": score_text}
+        if "objective/kl" in metrics:
+            postfix["kl"] = f"{metrics['objective/kl']:.3f}"
+        pbar.set_postfix(postfix)
 
         meta = {
             "scheduler": {name: sched.state_dict() for name, sched in scheds.items()},

@@ -13,7 +13,7 @@ plainrlhf's train_sft.py trains the same initial model on the same examples, bat
 train_ppo.py starts from TRL's SFT model and the same prompts with the same batch settings:
 `--advantage_estimator grpo` for the like-for-like GRPO row, GAE with a critic for the PPO row, on 1
 process with 1 thread (rollouts by vLLM), and on 2 ranks for reference. Medians over iterations
-after the first. plainrlhf always computes reference logprobs (TRL's GRPO skips them at beta 0).
+after the first. At beta 0 neither computes reference logprobs (`--kl_coef 0` loads no reference).
 Peak RSS: GNU time's maximum resident set size of the largest process. Ends with a
 `BENCH {json}` line.
 """

@@ -108,6 +108,26 @@ def test_grpo_with_reward_model_and_hf_engine(tmp_path, sft_model):
     assert meta["roles"] == ["actor"]  # no critic
 
 
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_kl_coef_0_runs_no_reference_and_trains_the_same(tmp_path, sft_model, estimator):
+    """--kl_coef 0: no reference model is loaded or run, and objective/kl is not logged. The KL
+    weighed 0 before as well, so the run is bitwise the one that keeps the reference (a
+    --target_kl keeps it, and a kl_coef of 0 stays 0 under the controller)."""
+    flags = ("--kl_coef", 0, "--advantage_estimator", estimator, "--max_steps", 2)
+    flags += ("--eval_every", 0, "--eval_samples", 0)
+    without = str(tmp_path / "without")
+    run("train_ppo.py", *ppo(without, sft_model, *flags))
+    kept = str(tmp_path / "kept")
+    run("train_ppo.py", *ppo(kept, sft_model, *flags, "--target_kl", 1))
+    assert_same_tensors(latest(without), latest(kept))
+    measured = ("objective/kl", "policy/kl_loss")
+    rows = metrics(without)
+    assert [row["step"] for row in rows] == [1, 2]
+    for a, b in zip(rows, metrics(kept), strict=True):
+        assert not set(measured) & a.keys() and "objective/kl" in b
+        assert a == {k: v for k, v in b.items() if k not in measured}
+
+
 def test_sigterm_mid_ppo_saves_and_resume_is_exact(tmp_path, straight, sft_model):
     """Preemption with the vLLM engine in the process (it must not take over our signal
     handlers), with --async_save on: SIGTERM to rank 0 only -> both ranks checkpoint at the
