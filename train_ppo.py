@@ -1030,6 +1030,7 @@ def main(args):
         gold = None  # the rule beside a learned reward: logged, never trained on
         if args.gold_reward_fn:
             gold = gold_scores(args, tok, prompt_texts, gen.response_ids)
+        t_scored = time.time()
         # (3) Old and reference logprobs, values: in a random order, which the first PPO epoch
         # keeps (its first micro-batch then sees ratio == 1 exactly).
         order = torch.randperm(len(prompt_ids))
@@ -1037,6 +1038,8 @@ def main(args):
             args, models, tok, prompt_ids, gen.response_ids, order, device
         )
         gap = logprob_gap(exp, gen.logprobs, order)  # [B, R]: engine vs actor, every token
+        # (On a GPU these marks are where the host is: queued kernels count in a later phase.)
+        t_logprobs = time.time()
         # (4) Advantages: GAE over per-token rewards, or group baselines.
         scores = scores[order].to(device)
         kl = compute_advantages(args, exp, scores, order.to(device), kl_coef)
@@ -1062,7 +1065,9 @@ def main(args):
         metrics["objective/kl_coef"] = kl_coef
         metrics["policy/first_ratio_dev"] = first_ratio_dev
         metrics["time/rollout_s"] = t1 - t0
-        metrics["time/score_s"] = t2 - t1  # scoring, old logprobs and values, advantages
+        metrics["time/score_s"] = t_scored - t1  # reward function or model, gold scores
+        metrics["time/logprobs_s"] = t_logprobs - t_scored  # old and reference logprobs, values
+        metrics["time/advantages_s"] = t2 - t_logprobs
         metrics["time/train_s"] = t3 - t2
         metrics["time/sync_s"] = t4 - t3
         metrics["train/epoch"] = epoch

@@ -188,6 +188,7 @@ def train_step(args, model, optim, sched, mine, n_tokens, pad_id, device):
     whole global batch, the loss's denominator. Returns the step's metrics."""
     world = dist.get_world_size()
     loss_sum = torch.zeros(1, device=device)
+    t0 = time.time()
     for start in range(0, len(mine), args.micro_batch_size):
         micro = mine[start : start + args.micro_batch_size]
         input_ids, attention_mask, labels = collate(micro, pad_id)
@@ -202,6 +203,7 @@ def train_step(args, model, optim, sched, mine, n_tokens, pad_id, device):
         # FSDP averages gradients over ranks; the loss is already a global token mean: undo that
         (loss * world).backward()
         loss_sum += loss.detach()
+    t1 = time.time()  # (on a GPU: where the host is; queued kernels count in the next phase)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
     grad_norm = grad_norm.full_tensor()  # a DTensor under FSDP2: the norm over all shards
     optim.step()
@@ -212,6 +214,9 @@ def train_step(args, model, optim, sched, mine, n_tokens, pad_id, device):
         "train/loss": loss_sum.item(),
         "train/lr": sched.get_last_lr()[0],
         "train/grad_norm": grad_norm.item(),
+        # forward and backward of every micro-batch, FSDP2's all-gathers and reduce-scatters in it
+        "time/forward_backward_s": t1 - t0,
+        "time/optimizer_s": time.time() - t1,  # clipping, AdamW, the logged loss's all-reduce
     }
 
 

@@ -3,10 +3,11 @@ README compares PPO and DPO from the same SFT start "at the same wall time".
 
     python bench/accuracy_vs_time.py OUT.png LABEL=RUN_DIR [LABEL=RUN_DIR ...]
 
-Time is the sum of each step's `time/*` seconds up to that step (the training itself: rollout,
-scoring, update and sync for PPO, the step for SFT/RM/DPO); start-up, evaluation and saving are
-left out, so stages are compared on the work they do, not on how often they evaluate. Accuracy is
-`eval/accuracy` (PPO with --gold_reward_fn: `eval/gold_accuracy`). Needs matplotlib.
+Time is the sum of each step's `time/*` seconds up to that step (the training itself: PPO's
+phases, or `time/step_s` for SFT/RM/DPO, which holds SFT's phase timings); start-up, evaluation
+and saving are left out, so stages are compared on the work they do, not on how often they
+evaluate. Accuracy is `eval/accuracy` (PPO with --gold_reward_fn: `eval/gold_accuracy`). Needs
+matplotlib.
 """
 
 import json
@@ -20,7 +21,10 @@ def curve(run_dir):
     seconds = 0.0
     for line in open(os.path.join(run_dir, "metrics.jsonl")):
         row = json.loads(line)
-        seconds += sum(v for k, v in row.items() if k.startswith("time/"))
+        step_seconds = sum(v for k, v in row.items() if k.startswith("time/"))
+        if "time/step_s" in row:  # SFT's time/step_s holds its phases' time/* too
+            step_seconds = row["time/step_s"]
+        seconds += step_seconds
         accuracy = row.get("eval/gold_accuracy", row.get("eval/accuracy"))
         if accuracy is not None:
             points.append((seconds, accuracy))

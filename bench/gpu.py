@@ -160,8 +160,8 @@ def bench_ppo(work, model, n_params, steps, name, prompts, new_tokens, extra=())
     args += ("--eval_every", 0, "--eval_samples", 0, "--save_every", 10**6, *extra)
     rows, peak = run("train_ppo.py", *args)
     rows = [r for r in rows if "time/rollout_s" in r][1:]  # skip the warm-up iteration
-    phases = {k: statistics.median(r[f"time/{k}_s"] for r in rows) for k in ("rollout", "score")}
-    phases |= {k: statistics.median(r[f"time/{k}_s"] for r in rows) for k in ("train", "sync")}
+    names = ("rollout", "score", "logprobs", "advantages", "train", "sync")
+    phases = {k: statistics.median(r[f"time/{k}_s"] for r in rows) for k in names}
     lengths = [r["objective/response_len"] for r in rows]
     generated = prompts * 4 * statistics.mean(lengths)
     # The update: actor and critic (about the same size), forward and backward, every epoch, on

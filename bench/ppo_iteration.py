@@ -37,14 +37,14 @@ def main():
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     logged = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     rows = logged[2:]  # skip eval row 0 and step 1
-    phases = ["rollout", "score", "train", "sync"]
+    phases = ["rollout", "score", "logprobs", "advantages", "train", "sync"]
     med = {k: statistics.median(r[f"time/{k}_s"] for r in rows) for k in phases}
     total = sum(med.values())
     flags = " ".join(extra) or "default flags"
     print(f"PPO iteration on 2 ranks, median of {len(rows)} iterations ({flags}):")
     for k in phases:
-        print(f"  {k:8} {med[k]:7.3f} s  {100 * med[k] / total:5.1f} %")
-    print(f"  {'total':8} {total:7.3f} s")
+        print(f"  {k:10} {med[k]:7.3f} s  {100 * med[k] / total:5.1f} %")
+    print(f"  {'total':10} {total:7.3f} s")
 
 
 if __name__ == "__main__":
