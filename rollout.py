@@ -236,14 +236,14 @@ class HFEngine:
         """Every prompt's n samples in one batched `generate` (left-padded). The sampling itself is
         `InverseCDFSampler`'s: row k of prompt i draws from its own uniforms, seeded seed_i + k as
         vLLM seeds its samples, so a prompt's samples do not depend on what it is batched with."""
+        from transformers import LogitsProcessorList
+
         prompts = [prompt for prompt in prompt_token_ids for _ in range(n)]  # prompt-major
         row_seeds = [seed + k for seed in seeds for k in range(n)]
         width = max(len(prompt) for prompt in prompts)
         pad = self.stop_ids[0]
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [N, P]
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [N, P]
-        from transformers import LogitsProcessorList
-
         sampler = InverseCDFSampler(row_seeds, max_new_tokens, temperature, top_p)
         out = self.model.generate(
             ids.to(self.model.device),
@@ -280,11 +280,11 @@ class HFEngine:
 
 class InverseCDFSampler:
     """A logits processor that samples, for the HF engine's batched `generate` (run greedy, so the
-    one token left finite is the one taken). Row r draws step t's token by inverse-CDF sampling
-    with uniform u[r, t] from its own generator (CPU, seeded per row: the same draws on any device
-    and in any batch): the token whose cumulative probability first exceeds u. It keeps the
-    token's logprob under the sampling distribution (temperature and top-p applied: what vLLM's
-    processed_logprobs are), one [N] per step, never generate's [N, T, V] output_scores.
+    one token left finite is the one taken). Row r draws step t's token by inverse transform
+    sampling with uniform u[r, t] from its own generator (CPU, seeded per row: the same draws on
+    any device and in any batch): the token whose cumulative probability first exceeds u. It keeps
+    the token's logprob under the sampling distribution (temperature and top-p applied: what
+    vLLM's processed_logprobs are), one [N] per step, never generate's [N, T, V] output_scores.
 
     Temperature 0 is greedy: the argmax, its logprob under the untempered softmax."""
 
