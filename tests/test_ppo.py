@@ -33,6 +33,8 @@ def sft_model(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("sft"))
     args = ("--out_dir", out, "--max_steps", 60, "--eval_every", 0, "--eval_samples", 16)
     run("train_sft.py", *args, "--save_every", 100)
+    for row in metrics(out, drop=("train/", "eval/")):  # SFT's phases, timed every step
+        assert row["time/forward_backward_s"] + row["time/optimizer_s"] <= row["time/step_s"]
     return os.path.join(out, "hf")
 
 
@@ -73,6 +75,11 @@ def test_ppo_trains(straight, sft_model):
     assert meta["consumed_prompts"] == N * 16
     assert any(k.startswith("critic.optim.state.") for k in read_tensors(latest(straight)))
     assert os.path.getsize(os.path.join(straight, "samples.jsonl")) > 0
+    # every phase of an iteration timed, in the order the README's metric table lists them
+    phases = ["rollout", "score", "logprobs", "advantages", "train", "sync"]
+    for r in metrics(straight, drop=("eval/",))[1:]:
+        assert [k[5:-2] for k in r if k.startswith("time/")] == phases, r
+        assert all(r[f"time/{k}_s"] >= 0 for k in phases)
 
 
 def test_ppo_resume_is_exact(tmp_path, straight, sft_model):
