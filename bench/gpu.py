@@ -16,9 +16,10 @@ the same pipeline at the test's 2-layer size, for a quick look on CPU.
   forward and backward, and attention's scores and values, no causal discount).
 - PPO: train_ppo.py, 1 rank, HF engine (the lent machines have no vLLM), GAE with a critic of the
   same size, the embedded task's prompts, 16 prompts x 4 samples, 64 new tokens (a random model
-  rarely stops early; 64 x 4 x 128 took 3 minutes per rollout: the HF engine generates prompt by
-  prompt). Seconds per phase (medians after the first iteration), generated tokens/s, and the
-  update's MFU (actor and critic, forward and backward, over every PPO epoch).
+  rarely stops early; 64 x 4 x 128 took 3 minutes per rollout while the HF engine generated
+  prompt by prompt, before 2026-11-23). Seconds per phase (medians after the first iteration),
+  generated tokens/s, and the update's MFU (actor and critic, forward and backward, over every
+  PPO epoch).
 - Memory: the same PPO run with `--offload_frozen true` (the reference under FSDP2 CPU offload),
   and with `--gradient_checkpointing true`: the peak GPU memory each run's summary line reports
   (`common.py: peak_gpu_memory`).

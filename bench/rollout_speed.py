@@ -5,7 +5,7 @@ Same model, prompts and sampling settings for both engines, measured in one run:
 tokens at temperature 1, medians of 3 after a warm-up; tokens/s counts the tokens actually generated
 (EOS is id 127, which the random models rarely pick). One process per size: vLLM's shutdown tears
 down the process group. The HF engine decodes every prompt in one batched `generate` (until
-2026-11-23 it decoded prompt by prompt, which was most of the gap in bench/RESULTS.md's rows then).
+2026-11-23 it decoded prompt by prompt, then most of the gap).
 """
 
 import json
