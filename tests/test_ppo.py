@@ -77,7 +77,8 @@ def test_ppo_trains(straight, sft_model):
     assert os.path.getsize(os.path.join(straight, "samples.jsonl")) > 0
     # every phase of an iteration timed, in the order the README's metric table lists them
     phases = ["rollout", "score", "logprobs", "advantages", "train", "sync"]
-    for r in metrics(straight, drop=("eval/",))[1:]:
+    iterations = metrics(straight, drop=("eval/",))[1:]  # row 0: the evaluation before step 1
+    for r in iterations:
         assert [k[5:-2] for k in r if k.startswith("time/")] == phases, r
         assert all(r[f"time/{k}_s"] >= 0 for k in phases)
 
