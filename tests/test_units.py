@@ -209,7 +209,7 @@ def test_inverse_cdf_sampler_by_hand():
     assert sampler_draw(probs, 0.999)[0] == 3
     token, logprob = sampler_draw(probs, 0.6)
     assert token == 2 and math.isclose(logprob, math.log(0.25), rel_tol=1e-6)
-    # temperature 2: probs ∝ sqrt(p) = [0.707, 0, 0.5, 0.5] / 1.707 -> cdf [0.414, 0.414, 0.707, 1]
+    # temperature 2: probs ~ sqrt(p) = [0.707, 0, 0.5, 0.5] / 1.707 -> cdf [0.414, 0.414, 0.707, 1]
     token, logprob = sampler_draw(probs, 0.45, temperature=2.0)
     assert token == 2 and math.isclose(logprob, math.log(0.5 / 1.70710678), rel_tol=1e-6)
     # temperature 0: greedy, the untempered logprob
