@@ -73,6 +73,8 @@ class Args:
     """pairs per forward/backward on one rank (both responses of a pair in the same one)"""
     lr: float = 1e-3
     """peak learning rate (AdamW), after linear warmup, then cosine decay to 0"""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay"""
     warmup_steps: int = 10
     """linear LR warmup steps"""
     max_grad_norm: float = 1.0
@@ -125,6 +127,7 @@ LIMITS = {
     "train_batch_size": ">= 1",
     "micro_batch_size": ">= 1",
     "lr": ">= 0",
+    "weight_decay": ">= 0",
     "warmup_steps": ">= 0",
     "pairs_per_prompt": ">= 1",
     "max_grad_norm": "> 0",
@@ -357,7 +360,9 @@ def main(args):
     if args.gradient_checkpointing:
         common.checkpoint_activations(model)
     common.shard_model(model, device)
-    optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    optim = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay
+    )
     sched = get_cosine_schedule_with_warmup(optim, args.warmup_steps, args.max_steps)
     roles = {"reward_model": (model, optim)}
 
