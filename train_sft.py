@@ -45,8 +45,10 @@ class Args:
     """with an object-store --out_dir (s3://...): the local folder for metrics.jsonl, samples.jsonl
     and tensorboard/, copied into the store at every checkpoint and at the end ('': runs/store/
     followed by the URL's bucket and path); a local --out_dir holds them itself"""
-    max_steps: int = 600
-    """optimizer steps in the whole run (the LR schedule spans them)"""
+    max_steps: int = 1000
+    """optimizer steps in the whole run (the LR schedule spans them). The defaults of this flag,
+    --train_batch_size and --weight_decay are the first setting found to teach the embedded task
+    at every seed tried (87.5 to 99.6 percent held-out at seeds 42 and 1-6; README: train_sft.py)"""
     save_every: int = 200
     """save a full checkpoint every this many steps (and at the end)"""
     keep_last: int = 2
@@ -56,14 +58,16 @@ class Args:
     verifies: stop, changing nothing) or a checkpoint path; empty: start fresh"""
     seed: int = 42
     """seeds the data order and every RNG"""
-    train_batch_size: int = 64
+    train_batch_size: int = 128
     """examples per optimizer step, over all ranks"""
     micro_batch_size: int = 32
     """examples per forward/backward on one rank; grad accumulation makes up the rest"""
     lr: float = 3e-3
     """peak learning rate (AdamW), after linear warmup, then cosine decay to 0"""
-    weight_decay: float = 0.0
-    """AdamW's decoupled weight decay"""
+    weight_decay: float = 1.0
+    """AdamW's decoupled weight decay (each step shrinks the weights by lr x this). Strong on the
+    embedded task on purpose: without it the tiny model's escape from its loss plateau is a lottery
+    in the seed"""
     warmup_steps: int = 30
     """linear LR warmup steps"""
     max_grad_norm: float = 1.0

@@ -66,6 +66,7 @@ def ours_sft(work, steps, batch):
     cmd += ["--model", model, "--data", data, "--out_dir", out, "--max_steps", str(steps)]
     cmd += ["--train_batch_size", str(batch), "--micro_batch_size", str(batch), "--lr", "1e-3"]
     cmd += ["--warmup_steps", "10", "--eval_every", "0", "--save_every", str(10**6)]
+    cmd += ["--weight_decay", "0"]  # TRL's default (ours is 1.0, for the embedded task)
     rss = rss_run(cmd, {**os.environ, "OMP_NUM_THREADS": "1"})
     tok = AutoTokenizer.from_pretrained(model)
 

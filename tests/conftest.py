@@ -189,6 +189,7 @@ def memorised_sft(tmp_path_factory):
     out = str(d / "sft")
     args = ("--data", eval_path, "--eval_data", eval_path, "--out_dir", out, "--max_steps", 80)
     args += ("--train_batch_size", 16, "--micro_batch_size", 8, "--warmup_steps", 5)
+    args += ("--weight_decay", 0)  # memorising is the point here: no pull towards small weights
     run("train_sft.py", *args, "--eval_every", 0, "--eval_samples", 16, "--save_every", 0)
     assert metrics(out)[-1]["eval/accuracy"] == 1.0
     return os.path.join(out, "hf"), eval_path, pairs_path
