@@ -98,7 +98,10 @@ case "$cmd" in
   demo)  # the SFT budget leaves PPO room to improve (README: measured numbers)
     setup
     # --resume latest: a second demo (or one that was stopped) continues; rm -rf runs/demo starts over
-    run_torchrun train_sft.py --out_dir runs/demo/sft --max_steps 400 --resume latest
+    # The demo keeps SFT's recipe from before the defaults changed (batch 64, no weight decay, 400
+    # steps): its PPO settings and recorded numbers are for that start (README: the demo)
+    run_torchrun train_sft.py --out_dir runs/demo/sft --max_steps 400 --train_batch_size 64 \
+      --weight_decay 0 --resume latest
     run_torchrun train_ppo.py --model runs/demo/sft/hf --out_dir runs/demo/ppo --resume latest
     "$PY" - <<'PY'
 import json
@@ -112,12 +115,15 @@ PY
     # --resume latest: a stopped pipeline continues where it stopped; rm -rf "$out" starts over
     t0=$(date +%s)
     # ${X_ARGS:-} unquoted on purpose: split into flags (argparse keeps the last of a repeated one)
-    run_torchrun train_sft.py --out_dir "$out/sft" --max_steps 400 --resume latest ${SFT_ARGS:-}
+    run_torchrun train_sft.py --out_dir "$out/sft" --resume latest ${SFT_ARGS:-}
     t1=$(date +%s)
     run_torchrun train_rm.py --model "$out/sft/hf" --out_dir "$out/rm" --resume latest ${RM_ARGS:-}
     t2=$(date +%s)
+    # 50 iterations at --lr 2e-5: SFT's weight decay leaves small weights, which PPO's default
+    # 1e-4 moves too far per step (README: the pipeline); 50 keep the pipeline near 11 minutes
     run_torchrun train_ppo.py --model "$out/sft/hf" --reward_model "$out/rm/hf" \
-      --gold_reward_fn task:reward_fn --out_dir "$out/ppo" --resume latest ${PPO_ARGS:-}
+      --gold_reward_fn task:reward_fn --out_dir "$out/ppo" --max_steps 50 --lr 2e-5 \
+      --resume latest ${PPO_ARGS:-}
     t3=$(date +%s)
     "$PY" - "$out" "$t0" "$t1" "$t2" "$t3" <<'PY'
 import json
