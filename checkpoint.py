@@ -2,10 +2,10 @@
 disk.
 
 The commit protocol (README, "Checkpoints"): all ranks write `.tmp-step-N/` (with --async_save, in
-the background); once every rank has succeeded, rank 0 writes a sha256 manifest, fsyncs, renames the
-folder `step-N/` and os.replace()s `latest`. A kill or a failed write at any moment leaves the
-previous checkpoint latest. Resume verifies the manifest first and falls back to an older
-checkpoint.
+the background) and hash the files they wrote; once every rank has succeeded, rank 0 writes the
+sha256 manifest, fsyncs, renames the folder `step-N/` and os.replace()s `latest`. A kill or a
+failed write at any moment leaves the previous checkpoint latest. Resume verifies the manifest
+first (every rank hashing a share of the files) and falls back to an older checkpoint.
 
 Safety (README, "Checkpoints": the threat model): DCP's own loader unpickles `.metadata` with a
 plain `pickle.load` and byte entries with `torch.load(weights_only=False)`; `dcp_load` closes both
@@ -377,16 +377,43 @@ def _sha256(path):
         return os.fstat(f.fileno()).st_size, hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _manifest_files(root):
+def _manifest_files(root, hashed=None):
     """{relative path: {size, sha256}} of every file below root but the manifest itself; a
-    symlink, FIFO or device below root is a CheckpointError."""
+    symlink, FIFO or device below root is a CheckpointError. hashed: entries already computed
+    (by the ranks that wrote those files), taken as they are; every other file is hashed here."""
+    hashed = hashed or {}
+    entries = _entries(root)
+    for rel in hashed:
+        if rel not in entries:  # a rank hashed it, this rank cannot see it: no shared folder
+            raise CheckpointError(f"{os.path.join(root, rel)}: written by another rank, not here")
     files = {}
-    for rel, mode in sorted(_entries(root).items()):
+    for rel, mode in sorted(entries.items()):
         if not stat.S_ISREG(mode):
             raise CheckpointError(f"{os.path.join(root, rel)}: not a regular file")
-        if rel != "manifest.json":
+        if rel in hashed:
+            files[rel] = hashed[rel]
+        elif rel != "manifest.json":
             size, digest = _sha256(os.path.join(root, rel))
             files[rel] = {"size": size, "sha256": digest}
+    return files
+
+
+def _own_files(tmp):
+    """The files of a save that this rank wrote: its DCP shards (DCP names a rank's files
+    `__<rank>_<n>.distcp`) and its RNG state. Rank 0's other files (DCP's `.metadata`, meta.json,
+    hf/) are hashed by _publish, as is anything DCP might one day name otherwise."""
+    rank = dist.get_rank()
+    shards = sorted(n for n in os.listdir(os.path.join(tmp, "dcp")) if n.startswith(f"__{rank}_"))
+    return [os.path.join("dcp", n) for n in shards] + [f"rng-rank{rank}.json"]
+
+
+def _hash_own_files(tmp):
+    """{relative path: {size, sha256}} of this rank's own files, read right after it wrote them
+    (from the page cache), so that every rank hashes its share at once, not rank 0 all of it."""
+    files = {}
+    for rel in _own_files(tmp):
+        size, digest = _sha256(os.path.join(tmp, rel))
+        files[rel] = {"size": size, "sha256": digest}
     return files
 
 
@@ -434,6 +461,16 @@ def verify(path):
     each no further than the size the manifest gives it; opens nothing else."""
     if objstore.is_url(path):
         return _verify_store(path)
+    manifest, entries = _verify_layout(path)
+    for rel, want in manifest["files"].items():
+        _check_file(os.path.join(path, rel), want, rel in entries)
+    read_meta(path, manifest["step"])
+    return manifest
+
+
+def _verify_layout(path):
+    """verify()'s first part, which reads no file but the manifest: (manifest, entries) of a
+    local checkpoint folder whose entries are all regular files and all listed."""
     if os.path.islink(path):
         raise CheckpointError(f"{path}: a symlink, not a checkpoint folder")
     manifest = _read_manifest(path)
@@ -444,10 +481,87 @@ def verify(path):
             raise CheckpointError(f"{where}: not a regular file (a symlink, FIFO or device)")
         if rel != "manifest.json" and rel not in manifest["files"]:
             raise CheckpointError(f"{where}: not listed in the manifest")
-    for rel, want in manifest["files"].items():
-        _check_file(os.path.join(path, rel), want, rel in entries)
-    read_meta(path, manifest["step"])
-    return manifest
+    return manifest, entries
+
+
+def _owners(sizes, world):
+    """Which rank checks each file: the largest first, each to the rank with the fewest bytes so
+    far, so that the ranks finish hashing at about the same time."""
+    load = [0] * world
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = load.index(min(load))
+        owner[i] = rank
+        load[rank] += sizes[i]
+    return owner
+
+
+def _check_share(path, files):
+    """(index, line) of the first of this rank's share of files [(rel, want, exists)] that fails
+    _check_file, or None."""
+    owner = _owners([want["size"] for _, want, _ in files], dist.get_world_size())
+    for i, (rel, want, exists) in enumerate(files):
+        if owner[i] != dist.get_rank():
+            continue
+        try:
+            _check_file(os.path.join(path, rel), want, exists)
+        except (OSError, CheckpointError) as e:
+            return i, _check_line(e)
+    return None
+
+
+def _check_line(e):
+    """A failed file check's line: CheckpointError's own; an OSError's reason."""
+    if isinstance(e, CheckpointError):
+        return str(e)
+    return f"{e.filename}: unreadable ({e.strerror})"
+
+
+def _verify_collective(path):
+    """Collective verify(): None if the checkpoint verifies, else the line verify() would raise.
+    Rank 0 checks the layout and reads the manifest; every rank then hashes its share of the
+    files at once (the sha256 sums are most of a resume's time, and hashing is one core's work
+    per file); rank 0 reads meta.json last. The same first problem is named as verify() names."""
+    layout = [None, [], None]  # [error, [(rel, want, exists)] in the manifest's order, step]
+    if dist.get_rank() == 0:
+        layout = _layout_or_error(path)
+    dist.broadcast_object_list(layout, src=0)  # every rank hashes what rank 0 read in the manifest
+    error, files, step = layout
+    if error is None:
+        found = [None] * dist.get_world_size()
+        # every rank learns each rank's first failure: the manifest's earliest is the one named
+        dist.all_gather_object(found, _check_share(path, files))
+        failures = sorted(f for f in found if f)
+        if failures:
+            error = failures[0][1]
+    verdict = [error]
+    if dist.get_rank() == 0 and error is None and step is not None:
+        verdict[0] = _meta_error(path, step)
+    dist.broadcast_object_list(verdict, src=0)  # rank 0 alone read meta.json
+    return verdict[0]
+
+
+def _layout_or_error(path):
+    """Rank 0: [None, files, step] for _verify_collective, or [error, [], None]; on a store, the
+    whole verify() here (its sums are the store's reads, through objstore): [None, [], None]."""
+    try:
+        if objstore.is_url(path):
+            verify(path)
+            return [None, [], None]
+        manifest, entries = _verify_layout(path)
+    except CheckpointError as e:
+        return [str(e), [], None]
+    files = [(rel, want, rel in entries) for rel, want in manifest["files"].items()]
+    return [None, files, manifest["step"]]
+
+
+def _meta_error(path, step):
+    """Rank 0: verify()'s last check, meta.json and the RNG files; its line, or None."""
+    try:
+        read_meta(path, step)
+    except CheckpointError as e:
+        return str(e)
+    return None
 
 
 def _read_manifest(path):
@@ -764,19 +878,29 @@ def commit():
     tmp = _tmp_path(root, name)
     final = os.path.join(root, name)
 
+    own = {}
+
     def wait_for_writes():
         if future is not None:
             future.result()
+        if not objstore.is_url(root):  # a store's objects are read back by _publish_store
+            own.update(_hash_own_files(tmp))
+
+    hashed = {}
 
     def publish():
         if dist.get_rank() == 0 and objstore.is_url(root):
             _publish_store(final, root, name, step)
         elif dist.get_rank() == 0:
-            _publish(tmp, final, root, name, step)
+            _publish(tmp, final, root, name, step, hashed)
 
-    # All ranks' shards written, then rank 0 commits; a failure on any rank stops both.
+    # All ranks' shards written (and hashed), then rank 0 commits; a failure on any rank stops both.
     if not _agree(wait_for_writes, tmp, name, on_error):
         return None
+    shares = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, own)  # rank 0 writes the manifest: every rank's hashes to it
+    for share in shares:
+        hashed.update(share)
     if not _agree(publish, tmp, name, on_error):
         return None
     _run["latest"] = name  # every rank: `publish` succeeded on rank 0
@@ -785,10 +909,10 @@ def commit():
     return final
 
 
-def _publish(tmp, final, root, name, step):
-    """Rank 0: manifest, fsync everything, rename to step-N, then point `latest` at it
-    atomically."""
-    manifest = {"step": step, "files": _manifest_files(tmp)}
+def _publish(tmp, final, root, name, step, hashed):
+    """Rank 0: manifest (hashed: the files every rank hashed already), fsync everything, rename to
+    step-N, then point `latest` at it atomically."""
+    manifest = {"step": step, "files": _manifest_files(tmp, hashed)}
     _durable(os.path.join(tmp, "manifest.json"), json.dumps(manifest))
     for folder, _, _ in os.walk(tmp):
         _durable(folder)
@@ -856,19 +980,23 @@ def boundary(step, every, minutes, signalled, device):
 # ---- resuming ------------------------------------------------------------------------------------
 def resolve(out_dir, resume):
     """Collective, before the run writes anything to out_dir: rank 0 takes the run lock, removes
-    what killed runs left, and picks the checkpoint to resume from ('' = start fresh); every rank
-    gets the pick and the run's id (its temp dirs' names)."""
-    choice = ["", None, None, None]  # [path, error, run id, latest (on a store)]
+    what killed runs left, and lists the checkpoints to try; all ranks verify them together
+    (_choose); every rank gets the pick ('' = start fresh) and the run's id (its temp dirs'
+    names)."""
+    plan = [[], None, None, None]  # [checkpoints to try, error, run id, latest (on a store)]
     if dist.get_rank() == 0:
         result = _start(out_dir, resume)
-        choice[: len(result)] = result
-    # all ranks load the very same checkpoint and name temp dirs alike, or all fail
-    dist.broadcast_object_list(choice, src=0)
-    if choice[1]:
-        raise CheckpointError(choice[1])
-    _run["id"] = choice[2]
-    _run["latest"] = choice[3]  # for a failed save's message when the store is unreachable
-    return choice[0]
+        plan[: len(result)] = result
+    # all ranks try the very same checkpoints and name temp dirs alike, or all fail
+    dist.broadcast_object_list(plan, src=0)
+    if plan[1]:
+        raise CheckpointError(plan[1])
+    _run["id"] = plan[2]
+    _run["latest"] = plan[3]  # for a failed save's message when the store is unreachable
+    path, error = _choose(plan[0], resume)
+    if error:
+        raise CheckpointError(error)
+    return path
 
 
 # In a run folder: entries that, where present, must be regular files (never written through a
@@ -877,7 +1005,7 @@ RUN_FILES = ("metrics.jsonl", "samples.jsonl", os.path.join("checkpoints", "late
 
 
 def _start(out_dir, resume):
-    """Rank 0: [checkpoint path or '', error or None, run id]."""
+    """Rank 0: [checkpoints to try, error or None, run id]."""
     if objstore.is_url(out_dir):
         return _start_store(out_dir, resume)
     root = os.path.join(out_dir, "checkpoints")
@@ -890,16 +1018,16 @@ def _start(out_dir, resume):
         if os.path.lexists(root) and not stat.S_ISDIR(os.lstat(root).st_mode):
             raise CheckpointError(f"{root}: a symlink or not a folder; remove it")
         _remove_stale_temps(root)
-        path, error = _choose(root, resume)
+        paths, error = _candidates(root, resume)
     except CheckpointError as e:
-        return ["", str(e), None]
+        return [[], str(e), None]
     except OSError as e:
-        return ["", f"{out_dir}: {e.strerror}: {e.filename}", None]
-    return [path, error, uuid.uuid4().hex[:8]]
+        return [[], f"{out_dir}: {e.strerror}: {e.filename}", None]
+    return [paths, error, uuid.uuid4().hex[:8]]
 
 
 def _start_store(out_dir, resume):
-    """_start() on a store: the lock object, unfinished saves deleted, the pick."""
+    """_start() on a store: the lock object, unfinished saves deleted, the checkpoints to try."""
     root = os.path.join(out_dir, "checkpoints")
     run_id = uuid.uuid4().hex[:8]
     try:
@@ -910,12 +1038,12 @@ def _start_store(out_dir, resume):
             # no manifest: an unfinished save (its run is gone, or it would hold the lock)
             if "manifest.json" not in objstore.listing(os.path.join(root, name)):
                 objstore.remove_prefix(os.path.join(root, name))
-        path, error = _choose(root, resume)
+        paths, error = _candidates(root, resume)
     except CheckpointError as e:
-        return ["", str(e), None]
+        return [[], str(e), None]
     except (OSError, objstore.StoreError) as e:
-        return ["", f"{out_dir}: {describe(e)}", None]
-    return [path, error, run_id, _read_latest(root)]
+        return [[], f"{out_dir}: {describe(e)}", None]
+    return [paths, error, run_id, _read_latest(root)]
 
 
 def _lock(out_dir):
@@ -946,36 +1074,40 @@ def _remove_stale_temps(root):
             _remove_entry(os.path.join(root, name))
 
 
-def _choose(root, resume):
-    """Rank 0: (path or '', error or None) for --resume `resume` in the checkpoints folder
-    `root`."""
+def _candidates(root, resume):
+    """Rank 0: (the checkpoints to try for --resume `resume`, in order; error or None), from the
+    checkpoints folder `root`."""
     names, top = _step_dirs(root)
     if resume and resume != "latest":  # --resume PATH: that one, or a clear error
-        try:
-            verify(resume)
-        except CheckpointError as e:
-            return "", str(e)
-        return resume, None
+        return [resume], None
     if not resume:
         if names:  # a fresh start must not mix its metrics and saves with an earlier run's
             hint = "--resume latest continues it; or use another --out_dir"
-            return "", f"{root} holds an earlier run's checkpoints: {hint}"
-        return "", None
+            return [], f"{root} holds an earlier run's checkpoints: {hint}"
+        return [], None
     # `latest` first, then older ones; newer ones than `latest` are an abandoned branch
     candidates = names
     if top in names:
         candidates = [top] + [n for n in names if _step_of(n) < _step_of(top)]
+    return [os.path.join(root, name) for name in candidates], None
+
+
+def _choose(paths, resume):
+    """Collective: (the first of paths that verifies, None), or ('', error). --resume PATH: that
+    one or its problem; --resume latest: the next older one, with a warning, while one fails."""
     failed = []
-    for name in candidates:
-        path = os.path.join(root, name)
-        try:
-            verify(path)
-        except CheckpointError as e:
-            print(f"WARNING: skipping checkpoint {name}: {e}", flush=True)
-            failed.append(f"{name}: {e}")
-            continue
-        return path, None
+    for path in paths:
+        error = _verify_collective(path)
+        if error is None:
+            return path, None
+        if resume != "latest":
+            return "", error
+        name = os.path.basename(path)
+        if dist.get_rank() == 0:
+            print(f"WARNING: skipping checkpoint {name}: {error}", flush=True)
+        failed.append(f"{name}: {error}")
     if failed:  # starting over would overwrite checkpoints a user may still repair
+        root = os.path.dirname(paths[0])
         return "", (
             f"--resume latest: no checkpoint in {root} verifies ({'; '.join(failed)}); nothing "
             "was loaded or changed: repair one, or start over in another --out_dir"

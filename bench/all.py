@@ -119,6 +119,13 @@ def write(raw):
             "",
         ),
         (
+            "checkpoint resume GB/s (verify every sha256 + load) vs raw disk read",
+            num(ck["raw_read_gb_s"]),
+            num(ck["resume_gb_s"]),
+            f"**{ck['resume_gb_s'] / ck['raw_read_gb_s']:.2f}**",
+            "",
+        ),
+        (
             f"training stall of one save, s (steps of {ck['step_s']:.2f} s): blocking vs async",
             num(ck["stall_blocking_s"]),
             num(ck["stall_async_s"]),

@@ -5,6 +5,7 @@
 A Llama of ~40M parameters, FSDP2-sharded, with AdamW state (~0.5 GB in all) is saved and loaded
 through checkpoint.py (DCP + manifest + fsync + atomic rename), and the same number of bytes is
 written (with fsync) and read back with plain file I/O by every rank at once: the physical limit.
+Load is timed alone (checkpoint.load) and as a resume does it (every sha256 verified, then load).
 Reads are from the page cache in both cases (dropping caches needs privileges CI does not have).
 Flags: --hidden 512 --layers 6 (the model's size), --repeats 3, --dir (default: runs/bench-ckpt).
 
@@ -78,6 +79,7 @@ def main():
         shutil.rmtree(root, ignore_errors=True)
         os.makedirs(root)
     dist.barrier()  # the directory exists before anyone writes
+    checkpoint.resolve(root, "")  # the run lock and run id, as a stage takes them
     tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
     roles = {"model": (model, optim)}
     meta = {"args": {"seed": 0}}
@@ -85,6 +87,14 @@ def main():
     save_s = timed(lambda: checkpoint.save(root, 1, roles, meta, hf, keep_last=1), a.repeats)
     path = os.path.join(root, "checkpoints", "step-00000001")
     load_s = timed(lambda: checkpoint.load(path, roles, meta["args"], []), a.repeats)
+
+    def resume():
+        """What `--resume PATH` does: every checksum verified (all ranks), then the load."""
+        chosen, error = checkpoint._choose([path], path)
+        assert error is None, error
+        checkpoint.load(chosen, roles, meta["args"], [])
+
+    resume_s = timed(resume, a.repeats)
 
     raw = os.path.join(root, f"raw-{rank}.bin")
     chunk = os.urandom(1 << 20)
@@ -142,6 +152,8 @@ def main():
         print(f"{'save (checkpoint.save)':28}{save_row}")
         load_row = f"{gb / load_s:8.2f}{gb / read_s:15.2f}{read_s / load_s:8.2f}"
         print(f"{'load (checkpoint.load)':28}{load_row}")
+        resume_row = f"{gb / resume_s:8.2f}{gb / read_s:15.2f}{read_s / resume_s:8.2f}"
+        print(f"{'resume (verify + load)':28}{resume_row}")
         print(
             f"\ntraining stall of one save, {steps} steps of {base_s / steps:.2f} s: "
             f"blocking {block_stall:.2f} s, async {async_stall:.2f} s "
@@ -153,6 +165,7 @@ def main():
             "raw_write_gb_s": gb / write_s,
             "load_gb_s": gb / load_s,
             "raw_read_gb_s": gb / read_s,
+            "resume_gb_s": gb / resume_s,
             "step_s": base_s / steps,
             "stall_blocking_s": block_stall,
             "stall_async_s": async_stall,

@@ -149,6 +149,18 @@ def test_corrupt_checkpoint_is_detected(tmp_path, addition_jsonl):
     assert p.returncode != 0 and "step-00000003: ok, step 3" in p.stdout
     assert "rng-rank1.json: size 100" in p.stderr
 
+    # Two damaged files, hashed by different ranks (resume shares the sums out): the one named is
+    # the manifest's first, as `checkpoint.py verify` (one process, in order) names it.
+    shard = os.path.join(newer, "dcp", "__1_0.distcp")
+    data = bytearray(open(shard, "rb").read())
+    data[-1] ^= 0x80
+    open(shard, "wb").write(data)
+    p = run_py("checkpoint.py", "verify", newer)
+    assert p.returncode != 0 and "__1_0.distcp: checksum mismatch" in p.stderr
+    p = run("train_sft.py", *args, "--resume", newer, check=False)
+    assert p.returncode != 0 and "__1_0.distcp: checksum mismatch" in p.stderr
+    assert "rng-rank1.json" not in p.stderr
+
 
 class Payload:
     def __init__(self, marker):

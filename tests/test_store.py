@@ -170,7 +170,7 @@ def test_sft_save_resume_verify_export(store, straight, sft_on_store):
 
 def test_corrupted_object_is_detected_with_fallback(store, sft_on_store, capsys):
     """A flipped byte in the latest checkpoint's shard: verify names the object, and the resume's
-    pick (checkpoint.py: _choose, in-process) falls back to the checkpoint before it."""
+    pick (checkpoint.py: _candidates, _choose; in-process) falls back to the checkpoint before."""
     fs, _ = store
     url, _, _ = sft_on_store
     shard = f"{BUCKET}/sft/checkpoints/step-{N:08d}/dcp/__1_0.distcp"
@@ -179,16 +179,28 @@ def test_corrupted_object_is_detected_with_fallback(store, sft_on_store, capsys)
     fs.pipe_file(shard, bytes(data))
     p = run_py("checkpoint.py", "verify", f"{url}/checkpoints/step-{N:08d}")
     assert p.returncode == 1 and "__1_0.distcp: checksum mismatch" in p.stderr, p.stderr
+    import torch.distributed as dist
+
     import checkpoint
 
-    path, error = checkpoint._choose(f"{url}/checkpoints", "latest")
-    assert error is None and path == f"{url}/checkpoints/step-00000003"
-    assert f"skipping checkpoint step-{N:08d}" in capsys.readouterr().out
-    # --resume s3://.../step-N: that one, or one line naming the damaged object
-    good = f"{url}/checkpoints/step-00000003"
-    assert checkpoint._choose(f"{url}/checkpoints", good) == (good, None)
-    path, error = checkpoint._choose(f"{url}/checkpoints", f"{url}/checkpoints/step-{N:08d}")
-    assert path == "" and "__1_0.distcp: checksum mismatch" in error
+    def pick(resume):  # resolve()'s pick without its run lock: candidates, then the collective
+        paths, error = checkpoint._candidates(f"{url}/checkpoints", resume)
+        assert error is None
+        return checkpoint._choose(paths, resume)
+
+    # _choose is collective: a process group of one rank, in-process
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        path, error = pick("latest")
+        assert error is None and path == f"{url}/checkpoints/step-00000003"
+        assert f"skipping checkpoint step-{N:08d}" in capsys.readouterr().out
+        # --resume s3://.../step-N: that one, or one line naming the damaged object
+        good = f"{url}/checkpoints/step-00000003"
+        assert pick(good) == (good, None)
+        path, error = pick(f"{url}/checkpoints/step-{N:08d}")
+        assert path == "" and "__1_0.distcp: checksum mismatch" in error
+    finally:
+        dist.destroy_process_group()
 
 
 def popen(url, data, *extra, env=None):

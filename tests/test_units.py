@@ -156,6 +156,17 @@ def test_verify_names_the_bad_file(tmp_path):
         checkpoint.verify(REPO)
 
 
+def test_verification_shares_files_by_size():
+    """checkpoint._owners, by hand: the largest file first, each to the least-loaded rank (the
+    lower rank on a tie), so ranks hash about equal bytes at a resume."""
+    # sizes 10, 1, 5, 5, 4: 10 -> r0; 5 -> r1 (0 bytes); 5 -> r1 (5 < 10); 4 -> r0 (10 = 10, the
+    # lower rank); 1 -> r1 (10 < 14)
+    assert checkpoint._owners([10, 1, 5, 5, 4], 2) == [0, 1, 1, 1, 0]
+    assert checkpoint._owners([3, 3, 3], 1) == [0, 0, 0]
+    assert checkpoint._owners([], 4) == []
+    assert checkpoint._owners([7, 7], 4) == [0, 1]
+
+
 def test_encode_prompt_uses_the_chat_template_when_there_is_one():
     from transformers import AutoTokenizer
 
