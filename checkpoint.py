@@ -551,6 +551,8 @@ def _layout_or_error(path):
         manifest, entries = _verify_layout(path)
     except CheckpointError as e:
         return [str(e), [], None]
+    except OSError as e:  # a folder it may not list: this line on every rank, not a hang
+        return [f"{path}: {e.strerror}: {e.filename}", [], None]
     files = [(rel, want, rel in entries) for rel, want in manifest["files"].items()]
     return [None, files, manifest["step"]]
 
