@@ -689,19 +689,37 @@ class Experience:
     """One iteration's rollouts as PPO trains on them (this rank's B responses, shuffled)."""
 
     batch: RolloutBatch
-    old_logprobs: torch.Tensor  # [B, R] log pi_old(y_t), the policy that sampled
+    old_logprobs: torch.Tensor | None  # [B, R] log pi_old(y_t), the policy that sampled (None
+    # until the update's forward fills them, when `old_logprobs_from_update`)
     ref_logprobs: torch.Tensor | None  # [B, R] log pi_ref(y_t), the frozen reference (if any)
     old_values: torch.Tensor | None  # [B, R] V_old(s_t) (critic only)
     advantages: torch.Tensor | None = None  # [B, R]
     returns: torch.Tensor | None = None  # [B, R] the value targets (critic only)
 
 
+def old_logprobs_from_update(args):
+    """Whether step (3) can leave the actor's forward out and let the update's own forward give
+    the 'old' logprobs. It can when the update is one optimizer step on the whole rollout
+    (--ppo_epochs 1, --train_batch_size = every response): its micro-batches then all run on the
+    weights that sampled, in the rows and micro-batches step (3) would use, so their detached
+    logprobs are the ones step (3) would compute, bit for bit on CPU (ratio == 1; the gradient is
+    the plain policy gradient's). And when the advantages do not need them first: grpo keeps its
+    KL a loss term, and without a reference (--kl_coef 0) there is no KL reward. It saves one
+    forward of the actor over the rollout per iteration; TRL's GRPOTrainer takes the same
+    shortcut (num_iterations 1)."""
+    all_responses = args.rollout_batch_size * args.n_samples_per_prompt
+    one_update = args.ppo_epochs == 1 and args.train_batch_size == all_responses
+    no_reference = args.kl_coef == 0 and args.target_kl == 0  # as in `build_models`
+    return one_update and (args.advantage_estimator == "grpo" or no_reference)
+
+
 @torch.no_grad()
-def old_logprobs_and_values(args, models, tok, prompt_ids, responses, order, device):
+def old_logprobs_and_values(args, models, tok, prompt_ids, responses, order, device, from_update):
     """(3) The actor's and the reference's logprobs and the critic's values of the sampled tokens,
     computed by the training models themselves in micro-batches; zero on padding. The actor's are
     the 'old' logprobs of the PPO ratio, recomputed rather than taken from the engine (whose
     numerics differ slightly): the first micro-batch of the update then sees ratio == 1.
+    from_update: leave the actor's out, for the update to fill (`old_logprobs_from_update`).
     The rows go in the shuffled order `order`, which the first PPO epoch keeps."""
     prompts = [prompt_ids[i] for i in order]
     batch = make_batch(prompts, [responses[i] for i in order], tok.pad_token_id, device)
@@ -709,7 +727,10 @@ def old_logprobs_and_values(args, models, tok, prompt_ids, responses, order, dev
     for start in range(0, len(batch.input_ids), args.micro_batch_size):
         chunks.append(batch.select(slice(start, start + args.micro_batch_size)))
     mask = batch.response_mask
-    old_logprobs = torch.cat([logprobs_of(models.actor, c, args.temperature) for c in chunks])
+    old_logprobs = None
+    if not from_update:
+        old_logprobs = torch.cat([logprobs_of(models.actor, c, args.temperature) for c in chunks])
+        old_logprobs = old_logprobs * mask
     ref_logprobs = None
     if models.ref is not None:
         ref_logprobs = torch.cat([logprobs_of(models.ref, c, args.temperature) for c in chunks])
@@ -718,7 +739,7 @@ def old_logprobs_and_values(args, models, tok, prompt_ids, responses, order, dev
     if models.critic is not None:
         old_values = torch.cat([values_of(models.critic, c) for c in chunks]) * mask
     # padding masked out of every loss and statistic
-    return Experience(batch, old_logprobs * mask, ref_logprobs, old_values)
+    return Experience(batch, old_logprobs, ref_logprobs, old_values)
 
 
 def logprob_gap(exp, engine_logprobs, order):
@@ -738,39 +759,41 @@ def logprob_gap(exp, engine_logprobs, order):
 
 def compute_advantages(args, exp, scores, order, kl_coef):
     """(4) Advantages [B, R] (and, with a critic, the value targets `returns`), filled into `exp`.
-    Returns kl [B, R], the per-token k1 KL estimate that is logged.
 
     gae: per-token rewards (KL penalty, the score at the last token), GAE over them, whitened.
     grpo / rloo: one advantage per response from its group, spread over its tokens. Groups need
     the rollout's prompt-major order back: the rows of `exp` are in the shuffled order `order`."""
     mask = exp.batch.response_mask
+    logprobs = exp.old_logprobs
     ref_logprobs = exp.ref_logprobs
-    if ref_logprobs is None:  # no reference (--kl_coef 0): a KL of 0, weighed by 0 (not logged)
-        ref_logprobs = exp.old_logprobs
+    if ref_logprobs is None:  # no reference (--kl_coef 0): a KL of 0, weighed by 0; the old
+        # logprobs may not be there yet (`old_logprobs_from_update`), and are not needed
+        logprobs = torch.zeros_like(mask)
+        ref_logprobs = logprobs
     if args.advantage_estimator == "gae":
-        rewards, kl = compute_rewards(scores, exp.old_logprobs, ref_logprobs, mask, kl_coef)
+        rewards, _ = compute_rewards(scores, logprobs, ref_logprobs, mask, kl_coef)
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False)  # [N policy #9]
         advantages, exp.returns = compute_gae(rewards, exp.old_values, mask, args.gamma, args.lam)
         exp.advantages = masked_whiten(advantages, mask)  # [N policy #9]
-        return kl
-    kl = (exp.old_logprobs - ref_logprobs) * mask
+        return
     # rloo folds the KL into the sequence reward (Ahmadian et al.); grpo keeps it a loss term
     # (`ppo_loss`), as dividing by a group's std would blow up the KL's noise.
     sequence_rewards = scores
     if args.advantage_estimator == "rloo":
+        kl = (logprobs - ref_logprobs) * mask  # k1, as compute_rewards  [B, R]
         sequence_rewards = scores - kl_coef * kl.sum(1)
     prompt_major = torch.empty_like(scores)
     prompt_major[order] = sequence_rewards
     groups = prompt_major.view(-1, args.n_samples_per_prompt)  # [prompts, n]
     advantages = group_advantages(groups, args.advantage_estimator).flatten()[order]  # [B]
     exp.advantages = advantages[:, None] * mask
-    return kl
 
 
-def ppo_loss(args, models, exp, rows, n_tokens, kl_coef):
+def ppo_loss(args, models, exp, rows, n_tokens, kl_coef, fill_old):
     """The loss that one micro-batch (`rows` of `exp`) optimises, and its statistics, keyed by
-    their logged names:
+    their logged names (fill_old: this forward gives the rows' old logprobs too, see
+    `old_logprobs_from_update`):
 
         loss = pg_loss                  clipped surrogate (PPO eq. 7)
              + kl_coef * kl_loss        grpo only: the KL to the reference as a loss term (eq. 4)
@@ -782,6 +805,8 @@ def ppo_loss(args, models, exp, rows, n_tokens, kl_coef):
     batch = exp.batch.select(rows)
     mask = batch.response_mask  # [b, R]
     logprobs = logprobs_of(models.actor, batch, args.temperature)  # [b, R]
+    if fill_old:  # the weights that sampled, before any step: these are the old logprobs
+        exp.old_logprobs[rows] = logprobs.detach() * mask
     pg_loss, clipfrac, approxkl, ratio = policy_loss(
         logprobs, exp.old_logprobs[rows], exp.advantages[rows], mask, args.cliprange, n_tokens
     )
@@ -813,7 +838,11 @@ def ppo_update(args, models, roles, exp, kl_coef):
     micro-batches. Returns (this rank's statistics averaged over the optimizer steps, the largest
     |ratio - 1| of the first micro-batch: 0 unless the old logprobs are off)."""
     world = dist.get_world_size()
-    n_rows = len(exp.old_logprobs)
+    mask = exp.batch.response_mask
+    n_rows = len(mask)
+    fill_old = exp.old_logprobs is None  # `old_logprobs_from_update`: one step, filled below
+    if fill_old:
+        exp.old_logprobs = torch.zeros_like(mask)
     rows_per_step = args.train_batch_size // world
     sums = {}
     first_ratio_dev = None
@@ -825,17 +854,16 @@ def ppo_update(args, models, roles, exp, kl_coef):
         if ppo_epoch > 0:
             perm = torch.randperm(n_rows)
         for start in range(0, n_rows, rows_per_step):
-            rows = perm[start : start + rows_per_step].to(exp.old_logprobs.device)
-            n_tokens = exp.batch.response_mask[rows].sum()
+            rows = perm[start : start + rows_per_step].to(mask.device)
+            n_tokens = mask[rows].sum()
             dist.all_reduce(n_tokens)  # a token mean over the global minibatch, as in SFT
             for micro_start in range(0, len(rows), args.micro_batch_size):
                 micro = rows[micro_start : micro_start + args.micro_batch_size]
-                loss, stats, ratio = ppo_loss(args, models, exp, micro, n_tokens, kl_coef)
+                loss, stats, ratio = ppo_loss(args, models, exp, micro, n_tokens, kl_coef, fill_old)
                 # FSDP averages gradients over ranks; n_tokens already counts all ranks: undo it
                 (loss * world).backward()
                 if first_ratio_dev is None:
-                    mask = exp.batch.response_mask[micro]
-                    first_ratio_dev = ((ratio - 1).abs() * mask).max().item()
+                    first_ratio_dev = ((ratio - 1).abs() * mask[micro]).max().item()
                 for name, value in stats.items():
                     sums[name] = sums.get(name, 0.0) + value
             optimizer_step(roles, args.max_grad_norm)
@@ -883,7 +911,7 @@ def eval_line(step, metrics):
     return line
 
 
-def rollout_sums(raw_scores, gen, kl, exp, gap, gold):
+def rollout_sums(raw_scores, gen, exp, gap, gold):
     """This rank's sums behind the objective/* and rollout/* metrics (global_sums adds the
     ranks). gold: the --gold_reward_fn scores [B], or None."""
     mask = exp.batch.response_mask
@@ -896,6 +924,7 @@ def rollout_sums(raw_scores, gen, kl, exp, gap, gold):
         "tokens": mask.sum().item(),
     }
     if exp.ref_logprobs is not None:  # else no reference, and no KL to it is measured
+        kl = (exp.old_logprobs - exp.ref_logprobs) * mask  # k1, per token  [B, R]
         sums["kl"] = kl.sum().item()
     if gold is not None:
         sums["gold_score"] = gold.sum().item()
@@ -1012,6 +1041,7 @@ def main(args):
         common.print0(eval_line(0, eval_metrics))
         metrics_log.log(eval_metrics, 0)
 
+    from_update = old_logprobs_from_update(args)  # step (3) leaves the actor's to step (5)
     step = start
     pbar = tqdm(total=args.max_steps, initial=start, disable=rank != 0, desc="ppo")
     for step in range(start + 1, args.max_steps + 1):
@@ -1035,17 +1065,17 @@ def main(args):
         # keeps (its first micro-batch then sees ratio == 1 exactly).
         order = torch.randperm(len(prompt_ids))
         exp = old_logprobs_and_values(
-            args, models, tok, prompt_ids, gen.response_ids, order, device
+            args, models, tok, prompt_ids, gen.response_ids, order, device, from_update
         )
-        gap = logprob_gap(exp, gen.logprobs, order)  # [B, R]: engine vs actor, every token
         # (On a GPU these marks are where the host is: queued kernels count in a later phase.)
         t_logprobs = time.time()
         # (4) Advantages: GAE over per-token rewards, or group baselines.
         scores = scores[order].to(device)
-        kl = compute_advantages(args, exp, scores, order.to(device), kl_coef)
+        compute_advantages(args, exp, scores, order.to(device), kl_coef)
         t2 = time.time()
         # (5) PPO epochs over shuffled minibatches.
         update_stats, first_ratio_dev = ppo_update(args, models, roles, exp, kl_coef)
+        gap = logprob_gap(exp, gen.logprobs, order)  # [B, R]: engine vs actor, every token
         for sched in scheds.values():
             sched.step()
         t3 = time.time()
@@ -1053,7 +1083,7 @@ def main(args):
         rollout.sync_weights(engine, models.actor)
         t4 = time.time()
 
-        sums = rollout_sums(raw_scores, gen, kl, exp, gap, gold)
+        sums = rollout_sums(raw_scores, gen, exp, gap, gold)
         metrics = iteration_metrics(update_stats, sums, device)
         metrics["rollout/logprob_diff_max"] = common.global_max(gap.max(), device)
         if metrics["rollout/logprob_diff_mean"] > args.logprob_diff_warn:

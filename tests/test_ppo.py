@@ -116,12 +116,18 @@ def test_grpo_with_reward_model_and_hf_engine(tmp_path, sft_model):
     assert meta["roles"] == ["actor"]  # no critic
 
 
-@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+@pytest.mark.parametrize("estimator", ["gae", "grpo", "gae-one-update"])
 def test_kl_coef_0_runs_no_reference_and_trains_the_same(tmp_path, sft_model, estimator):
     """--kl_coef 0: no reference model is loaded or run, and objective/kl is not logged. The KL
     weighed 0 before as well, so the run is bitwise the one that keeps the reference (a
-    --target_kl keeps it, and a kl_coef of 0 stays 0 under the controller)."""
-    flags = ("--kl_coef", 0, "--advantage_estimator", estimator, "--max_steps", 2)
+    --target_kl keeps it, and a kl_coef of 0 stays 0 under the controller).
+    gae-one-update: one optimizer step per iteration, so without a reference the update's forward
+    gives the old logprobs (`old_logprobs_from_update`), while with one (a KL reward, even if
+    weighed 0) step (3) computes them first: the two paths, bitwise the same on 2 ranks."""
+    flags = ("--kl_coef", 0, "--max_steps", 2)
+    flags += ("--advantage_estimator", estimator.removesuffix("-one-update"))
+    if estimator == "gae-one-update":
+        flags += ("--ppo_epochs", 1, "--train_batch_size", 32)  # 16 prompts x 2 samples
     flags += ("--eval_every", 0, "--eval_samples", 0)
     without = str(tmp_path / "without")
     run("train_ppo.py", *ppo(without, sft_model, *flags))

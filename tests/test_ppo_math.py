@@ -193,3 +193,86 @@ def test_reward_model_reads_its_own_tokens_at_the_last_real_token(tmp_path):
         ]
     assert torch.allclose(batched, torch.tensor(want), atol=1e-5)
     assert torch.allclose(batched, torch.cat(alone), atol=1e-5)
+
+
+def test_old_logprobs_from_the_update_change_nothing():
+    """A GRPO iteration of one optimizer step (--ppo_epochs 1, --train_batch_size = every
+    response) with and without step (3)'s actor forward: when the update's own forward fills
+    the old logprobs (`old_logprobs_from_update`), the old logprobs, the losses and the updated
+    weights are bitwise those of the path that computes them first."""
+    import copy
+
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    actor = LlamaForCausalLM(config).eval()  # eval, as build_models: no dropout
+    args = ppo.Args(model="unused", out_dir="unused")
+    args.advantage_estimator = "grpo"
+    args.kl_coef = 0.0
+    args.ppo_epochs = 1
+    args.rollout_batch_size = 3
+    args.n_samples_per_prompt = 2
+    args.train_batch_size = 6
+    args.micro_batch_size = 4  # two micro-batches, the second short
+    assert ppo.old_logprobs_from_update(args)
+    prompts = [[5, 6, 7], [5, 6, 7], [8, 9], [8, 9], [3], [3]]
+    responses = [[1, 2], [3, 4, 5, 2], [6], [7, 8, 2], [9, 9, 9, 9], [4, 2]]
+    scores = t([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+    order = torch.tensor([3, 0, 5, 1, 4, 2])
+
+    class Tok:
+        pad_token_id = 0
+
+    results = []
+    for from_update in [False, True]:
+        model = copy.deepcopy(actor)
+        models = ppo.Models(actor=model, ref=None, critic=None, reward_model=None)
+        roles = {"actor": (model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5))}
+        exp = ppo.old_logprobs_and_values(
+            args, models, Tok(), prompts, responses, order, "cpu", from_update
+        )
+        assert (exp.old_logprobs is None) == from_update
+        ppo.compute_advantages(args, exp, scores[order], order, 0.0)
+        stats, first_ratio_dev = ppo.ppo_update(args, models, roles, exp, 0.0)
+        assert first_ratio_dev == 0.0
+        results.append((exp.old_logprobs, stats, list(model.parameters())))
+    (old_a, stats_a, params_a), (old_b, stats_b, params_b) = results
+    assert torch.equal(old_a, old_b)
+    assert stats_a.keys() == stats_b.keys()
+    for name in stats_a:
+        assert torch.equal(torch.as_tensor(stats_a[name]), torch.as_tensor(stats_b[name])), name
+    assert all(torch.equal(a, b) for a, b in zip(params_a, params_b))
+    assert not torch.equal(params_a[0], actor.model.embed_tokens.weight)  # it did train
+
+
+def test_old_logprobs_from_the_update_only_when_one_step_and_no_kl_reward():
+    args = ppo.Args(model="unused", out_dir="unused")
+    args.rollout_batch_size = 8
+    args.n_samples_per_prompt = 4
+    args.train_batch_size = 32
+    args.ppo_epochs = 1
+    args.advantage_estimator = "grpo"
+    args.kl_coef = 0.05
+    assert ppo.old_logprobs_from_update(args)  # grpo's KL is a loss term
+    args.advantage_estimator = "rloo"
+    assert not ppo.old_logprobs_from_update(args)  # a KL reward needs them first
+    args.kl_coef = 0.0
+    assert ppo.old_logprobs_from_update(args)  # no reference, no KL reward
+    args.target_kl = 0.1
+    assert not ppo.old_logprobs_from_update(args)  # adaptive: a reference after all
+    args.target_kl = 0.0
+    args.ppo_epochs = 2
+    assert not ppo.old_logprobs_from_update(args)  # the second epoch needs the first's weights
+    args.ppo_epochs = 1
+    args.train_batch_size = 16
+    assert not ppo.old_logprobs_from_update(args)  # two steps: the second ran on new weights
