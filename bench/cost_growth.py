@@ -1,6 +1,7 @@
 """How a PPO iteration's cost grows with model size and response length (not a test).
 
     .venv/bin/python bench/cost_growth.py [--steps 3] [--lengths 8,64,256] [--sizes 0.9M,10M,40M]
+                                          [--peer /tmp/trlpeer]
 
 For each model size (random-weight Llamas of the shapes bench/rollout_speed.py uses, built offline
 with the embedded tokenizer) and each response length, train_ppo.py runs under torchrun with 2
@@ -10,8 +11,13 @@ row of the output layer is zeroed and the others scaled up, so EOS is never samp
 model would otherwise end a response after ~128 tokens on average, and the length axis would
 mean nothing). Reported: the median seconds per iteration over the iterations after the first
 (its phases too), and the peak RSS of the largest process (GNU time), which includes the vLLM
-engine. Ends with a `BENCH {json}` line. TRL is not run here (bench/vs_trl.py compares with it at
-one size and length).
+engine. Ends with a `BENCH {json}` line.
+
+With `--peer DIR` (the TRL harness's venvs, made by ../shared/peers/trl/setup_venv.sh), TRL 1.12's
+PPOTrainer runs the same model, lengths and batches beside it: 64 rollouts, 2 PPO epochs of 2
+minibatches of 32, KL 0.05 with a reference model, the rule reward, on 1 process with 2 threads
+(the same 2 cores plainrlhf's 2 ranks use); its median step time from the harness's ppo_trl.py
+(trainer steps only) and its peak RSS from GNU time.
 """
 
 import argparse
@@ -87,11 +93,45 @@ def run_ppo(model, length, steps):
     return total, phases, response_len, int(found.group(1)) / 1024
 
 
+def run_trl_ppo(model, length, steps, peer):
+    """TRL's PPOTrainer on the same model: (median seconds per step, peak RSS MiB)."""
+    harness = os.path.join(os.path.dirname(REPO), "shared", "peers", "trl")
+    work = tempfile.mkdtemp()
+    write_prompts(os.path.join(work, "data"))
+    cmd = [os.path.join(peer, "venv", "bin", "python"), os.path.join(harness, "ppo_trl.py")]
+    cmd += ["--work", work, "--model", model, "--batch", "64", "--max-new-tokens", str(length)]
+    cmd += ["--steps", str(steps), "--ppo-epochs", "2", "--minibatches", "2", "--threads", "2"]
+    cmd += ["--eval-samples", "1"]
+    env = {**os.environ, "PYTHONPATH": os.path.join(peer, "trl112")}  # TRL >= 1.13 has no PPO
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as t:
+        timed = ["/usr/bin/time", "-v", "-o", t.name, *cmd]
+        p = subprocess.run(timed, cwd=harness, capture_output=True, text=True, env=env)
+        if p.returncode != 0:
+            sys.exit(f"error: {' '.join(cmd)} failed:\n{p.stdout[-3000:]}{p.stderr[-3000:]}")
+        found = re.search(r"Maximum resident set size \(kbytes\): (\d+)", t.read())
+    median = re.search(r"RESULT ppo:.*?\(median ([0-9.]+)\)", p.stdout)
+    return float(median.group(1)), int(found.group(1)) / 1024
+
+
+def write_prompts(folder):
+    """The harness's data files from the embedded task's prompts (rl.jsonl to train on, and the
+    test.jsonl its evaluation before and after reads)."""
+    sys.path.insert(0, REPO)
+    import task
+
+    os.makedirs(folder)
+    rows = [{"prompt": r["prompt"], "answer": r["response"]} for r in task.make_split("test")]
+    for name in ["rl.jsonl", "test.jsonl"]:
+        with open(os.path.join(folder, name), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=3, help="iterations per run (the first is dropped)")
     p.add_argument("--lengths", default="8,64,256", help="response lengths, comma-separated")
     p.add_argument("--sizes", default=",".join(SIZES), help=f"of {', '.join(SIZES)}")
+    p.add_argument("--peer", default="", help="the TRL harness's folder; empty: plainrlhf only")
     a = p.parse_args()
     results = []
     print(f"{'model':>8} {'params':>10} {'new tokens':>10} {'s/iter':>8} {'peak RSS MiB':>13}")
@@ -102,6 +142,10 @@ def main():
             total, phases, response_len, rss = run_ppo(folder, length, a.steps)
             row = {"model": name, "params": params, "new_tokens": length, "s_per_iter": total}
             row |= {"response_len": response_len, "phases_s": phases, "peak_rss_mib": rss}
+            if a.peer:
+                row["trl_s_per_iter"], row["trl_peak_rss_mib"] = run_trl_ppo(
+                    folder, length, a.steps, a.peer
+                )
             results.append(row)
             print(f"{name:>8} {params:>10,} {length:>10} {total:>8.2f} {rss:>13.0f}", flush=True)
             print("ROW " + json.dumps(row), flush=True)  # what a stopped run has measured so far

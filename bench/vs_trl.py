@@ -1,13 +1,14 @@
 """SFT tokens/s and seconds per RL iteration, plainrlhf vs Hugging Face TRL:
 same task, model and batches.
 
-    .venv/bin/python bench/vs_trl.py [--peer /tmp/trlpeer] [--steps 30]
+    .venv/bin/python bench/vs_trl.py [--peer /tmp/trlpeer] [--steps 30] [--size tiny|34M]
 
 The TRL side is the harness in ../shared/peers/trl (its own venv, made by its setup_venv.sh if
 missing; plainrlhf does not depend on TRL). It builds a random-init 4x256 Llama with a character
-tokenizer and addition data, SFTs it (SFTTrainer: 200 steps of 32, completion-only loss), then runs
-GRPOTrainer (16 prompts x 4 samples, <= 8 new tokens, 1 update per step, beta 0) and PPOTrainer (64
-rollouts, 1 epoch, 1 minibatch, beta 0.05), 1 thread, no vLLM.
+tokenizer and addition data (`--size 34M`: an 8x512 Llama, MLP 2048, 33.6M parameters, where
+compute rather than per-call overhead dominates), SFTs it (SFTTrainer: `--sft_steps` steps of 32,
+completion-only loss), then runs GRPOTrainer (16 prompts x 4 samples, <= 8 new tokens, 1 update per
+step, beta 0) and PPOTrainer (64 rollouts, 1 epoch, 1 minibatch, beta 0.05), 1 thread, no vLLM.
 plainrlhf's train_sft.py trains the same initial model on the same examples, batch size and steps
 (tokens/s: non-pad tokens of the batches, as TRL counts them, over the median step time); then
 train_ppo.py starts from TRL's SFT model and the same prompts with the same batch settings:
@@ -32,6 +33,11 @@ import common  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HARNESS = os.path.join(os.path.dirname(REPO), "shared", "peers", "trl")
+# --size: the harness's model shape (its LAYERS, HIDDEN, HEADS, INTER knobs)
+SIZES = {
+    "tiny": {"LAYERS": "4", "HIDDEN": "256", "HEADS": "4", "INTER": "688"},
+    "34M": {"LAYERS": "8", "HIDDEN": "512", "HEADS": "8", "INTER": "2048"},
+}
 
 
 def rss_run(cmd, env):
@@ -113,13 +119,17 @@ def ours(work, steps, nproc, extra):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--peer", default="/tmp/trlpeer")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=30, help="RL iterations on each side")
+    p.add_argument("--sft_steps", type=int, default=200, help="SFT steps of 32 on each side")
+    p.add_argument("--size", default="tiny", choices=list(SIZES))
     a = p.parse_args()
     if not os.path.exists(os.path.join(a.peer, "venv", "bin", "python")):
         subprocess.run(["bash", os.path.join(HARNESS, "setup_venv.sh"), a.peer], check=True)
-    work = os.path.join(a.peer, "run")
+    work = os.path.join(a.peer, f"run-{a.size}")
     env = {
         **os.environ,
+        **SIZES[a.size],
+        "SFT_STEPS": str(a.sft_steps),
         "PY": os.path.join(a.peer, "venv", "bin", "python"),
         "TRL112": os.path.join(a.peer, "trl112"),
         "THREADS": "1",
@@ -139,9 +149,9 @@ def main():
         return float(re.search(pattern, trl).group(1))
 
     trl_sft_tok_s = float(re.search(r"RESULT sft:.*? tok/s=([0-9.]+)", trl).group(1))
-    sft_tok_s, sft_rss = ours_sft(work, 200, 32)
+    sft_tok_s, sft_rss = ours_sft(work, a.sft_steps, 32)
     sft_row = {
-        "row": "SFT tokens/s, 200 steps of 32 (higher is better)",
+        "row": f"SFT tokens/s, {a.sft_steps} steps of 32 (higher is better)",
         "trl": trl_sft_tok_s,
         "ours": sft_tok_s,
         "ratio": sft_tok_s / trl_sft_tok_s,
@@ -179,6 +189,8 @@ def main():
             "ours_rss_mib": one_rss,
         }
         results.append(row)
+    for row in results:
+        row["size"] = a.size
     print("BENCH " + json.dumps({"vs_trl": results}))
 
 
