@@ -70,6 +70,17 @@ def make_model(hidden, layers, mlp, folder):
     return sum(p.numel() for p in model.parameters())
 
 
+def timed_run(cmd, cwd, env):
+    """Run cmd under GNU time; (its stdout, the peak RSS in MiB of its largest process)."""
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as t:
+        timed = ["/usr/bin/time", "-v", "-o", t.name, *cmd]
+        p = subprocess.run(timed, cwd=cwd, capture_output=True, text=True, env=env)
+        if p.returncode != 0:
+            sys.exit(f"error: {' '.join(cmd)} failed:\n{p.stdout[-3000:]}{p.stderr[-3000:]}")
+        found = re.search(r"Maximum resident set size \(kbytes\): (\d+)", t.read())
+    return p.stdout, int(found.group(1)) / 1024
+
+
 def run_ppo(model, length, steps):
     """(median seconds per iteration, {phase: median s}, mean response length, peak RSS MiB)."""
     out = tempfile.mkdtemp()
@@ -79,18 +90,13 @@ def run_ppo(model, length, steps):
     cmd += ["--max_new_tokens", str(length), "--rollout_batch_size", "16"]
     cmd += ["--train_batch_size", "32", "--micro_batch_size", "16"]
     cmd += ["--eval_every", "0", "--eval_samples", "0", "--save_every", "1000000"]
-    with tempfile.NamedTemporaryFile("r", suffix=".time") as t:
-        timed = ["/usr/bin/time", "-v", "-o", t.name, *cmd]
-        p = subprocess.run(timed, cwd=REPO, capture_output=True, text=True)
-        if p.returncode != 0:
-            sys.exit(f"error: {' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
-        found = re.search(r"Maximum resident set size \(kbytes\): (\d+)", t.read())
+    _, rss = timed_run(cmd, REPO, os.environ)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     rows = [r for r in rows if "time/rollout_s" in r][1:]  # the first pays one-time warm-ups
     phases = {k: statistics.median(r[f"time/{k}_s"] for r in rows) for k in PHASES}
     total = statistics.median(sum(r[f"time/{k}_s"] for k in PHASES) for r in rows)
     response_len = statistics.mean(r["objective/response_len"] for r in rows)
-    return total, phases, response_len, int(found.group(1)) / 1024
+    return total, phases, response_len, rss
 
 
 def run_trl_ppo(model, length, steps, peer):
@@ -103,14 +109,9 @@ def run_trl_ppo(model, length, steps, peer):
     cmd += ["--steps", str(steps), "--ppo-epochs", "2", "--minibatches", "2", "--threads", "2"]
     cmd += ["--eval-samples", "1"]
     env = {**os.environ, "PYTHONPATH": os.path.join(peer, "trl112")}  # TRL >= 1.13 has no PPO
-    with tempfile.NamedTemporaryFile("r", suffix=".time") as t:
-        timed = ["/usr/bin/time", "-v", "-o", t.name, *cmd]
-        p = subprocess.run(timed, cwd=harness, capture_output=True, text=True, env=env)
-        if p.returncode != 0:
-            sys.exit(f"error: {' '.join(cmd)} failed:\n{p.stdout[-3000:]}{p.stderr[-3000:]}")
-        found = re.search(r"Maximum resident set size \(kbytes\): (\d+)", t.read())
-    median = re.search(r"RESULT ppo:.*?\(median ([0-9.]+)\)", p.stdout)
-    return float(median.group(1)), int(found.group(1)) / 1024
+    stdout, rss = timed_run(cmd, harness, env)
+    median = re.search(r"RESULT ppo:.*?\(median ([0-9.]+)\)", stdout)
+    return float(median.group(1)), rss
 
 
 def write_prompts(folder):
