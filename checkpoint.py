@@ -970,9 +970,8 @@ def boundary(step, every, minutes, signalled, device):
     clock = minutes > 0 and time.monotonic() - _last_save[0] >= 60 * minutes
     clock = clock and dist.get_rank() == 0  # rank 0's clock decides, so all ranks save together
     flags = torch.tensor([signalled, clock, busy], dtype=torch.float32, device=device)
-    dist.all_reduce(
-        flags, op=dist.ReduceOp.MAX
-    )  # one decision for all ranks: any rank's flag counts
+    # One decision for all ranks: any rank's flag counts.
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     stop, clock, busy = flags.bool().tolist()
     if not busy:
         commit()

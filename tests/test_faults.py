@@ -210,7 +210,10 @@ def test_a_stuck_peer_is_an_error_naming_rank_and_collective(tmp_path, addition_
     op = line.split("collective ")[1].split()[0]
     collectives = ("all_reduce", "barrier", "all_gather", "broadcast", "reduce_scatter")
     assert any(c in op for c in collectives), line
-    assert "called at train_sft.py:" in line and "Timed out" in line, line
+    # Where rank 0 waits depends on the moment rank 1 stopped: a step's collective (train_sft.py)
+    # or the end-of-step decision to save (`checkpoint.boundary`); either way one of ours.
+    callers = ("called at train_sft.py:", "called at checkpoint.py:")
+    assert any(c in line for c in callers) and "Timed out" in line, line
     assert "peer dead or hung" in line, line
 
 

@@ -116,7 +116,9 @@ def test_grpo_with_reward_model_and_hf_engine(tmp_path, sft_model):
     assert meta["roles"] == ["actor"]  # no critic
 
 
-@pytest.mark.parametrize("estimator", ["gae", "grpo", "gae-one-update"])
+# (A plain "gae" case, 2 epochs without a reference, took ~36 s and checked nothing these two do
+# not: grpo takes step (3)'s path without a reference, gae-one-update the critic's.)
+@pytest.mark.parametrize("estimator", ["grpo", "gae-one-update"])
 def test_kl_coef_0_runs_no_reference_and_trains_the_same(tmp_path, sft_model, estimator):
     """--kl_coef 0: no reference model is loaded or run, and objective/kl is not logged. The KL
     weighed 0 before as well, so the run is bitwise the one that keeps the reference (a
