@@ -425,6 +425,16 @@ def shard_model(model, device, offload=False):
     return model
 
 
+def load_error(path, e):
+    """The one line for a --model that would not load. A path that is no folder here and cannot
+    be a Hub id either ('name' or 'org/name') is named as missing: transformers would answer
+    "Repo id must be in the form 'repo_name' or 'namespace/repo_name'" for `runs/sft/hf`."""
+    local = path.startswith((".", "/", "~")) or path.count("/") > 1
+    if local and not os.path.isdir(path):
+        return f"error: --model {path}: no such folder"
+    return f"error: --model {path}: cannot load ({str(e).splitlines()[0]})"
+
+
 def attention_implementation(path, choice):
     """transformers' attn_implementation for the model at `path`: `choice`, or for 'auto' eager
     where the family needs it, else transformers' default (SDPA). Gemma 2 soft-caps its attention
@@ -434,7 +444,7 @@ def attention_implementation(path, choice):
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as e:
-        raise SystemExit(f"error: --model {path}: cannot load ({str(e).splitlines()[0]})")
+        raise SystemExit(load_error(path, e))
     if getattr(config, "attn_logit_softcapping", None):
         return "eager"
     return None
@@ -471,7 +481,7 @@ def load_model_and_tokenizer(path, cls, attn_implementation="auto", **kwargs):
             kwargs["attn_implementation"] = attention
         model = cls.from_pretrained(path, dtype=torch.float32, trust_remote_code=False, **kwargs)
     except (OSError, ValueError) as e:
-        raise SystemExit(f"error: --model {path}: cannot load ({str(e).splitlines()[0]})")
+        raise SystemExit(load_error(path, e))
     if tok.eos_token_id is None:
         raise SystemExit(f"error: --model {path}: the tokenizer has no EOS token")
     if tok.pad_token_id is None:
