@@ -855,8 +855,14 @@ def _write_small_files(tmp, step, roles, meta, hf_objs):
     }
     _put(os.path.join(tmp, "meta.json"), json.dumps({**header, **meta}, indent=1))
     if not objstore.is_url(tmp):
+        hf = os.path.join(tmp, "hf")
         for obj in hf_objs:
-            obj.save_pretrained(os.path.join(tmp, "hf"))
+            obj.save_pretrained(hf)
+        # save_pretrained does not fsync: each file here, as DCP's writer does its shards, before
+        # the rename in `_publish` commits them (which fsyncs only the folders)
+        for folder, _, names in os.walk(hf):
+            for name in names:
+                _durable(os.path.join(folder, name))
         return
     with tempfile.TemporaryDirectory() as local:  # save_pretrained writes local files only
         for obj in hf_objs:
