@@ -402,14 +402,19 @@ def greedy_accuracy(model, tok, examples, stop_ids, device, batch_size=64):
 
 
 # ---- models --------------------------------------------------------------------------------------
-def shard_model(model, device, offload=False):
+def shard_model(model, device, offload=False, reshard_after_forward=True):
     """FSDP2: fully_shard every transformer block (HF names them in _no_split_modules), then the
     root.
     bf16 compute with fp32 gradient reduction and fp32 master weights on GPU; plain fp32 on CPU.
     offload: FSDP2's CPU offload, for the frozen models. Their shards then live in host memory and
     each block's shard is copied to the GPU just before its all-gather, and dropped after its
     forward: GPU memory for a host-to-device copy per block and forward. (Pinned host memory
-    needs CUDA; on a CPU run the copy is a no-op and the run is bitwise the same.)"""
+    needs CUDA; on a CPU run the copy is a no-op and the run is bitwise the same.)
+    reshard_after_forward (the stages' flag of that name): False keeps each block's gathered
+    parameters from its forward until its backward (then they are resharded), so the backward and
+    the forwards that follow a no-grad forward gather nothing again; a model with no backward
+    keeps them gathered. Less communication for the memory of unsharded parameters; the same
+    numbers (an all-gather copies). An offloaded model always reshards: offloading is for memory."""
     if device.type == "cuda":
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
@@ -419,9 +424,17 @@ def shard_model(model, device, offload=False):
         offload_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     block_names = model._no_split_modules or []
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
+    reshard = reshard_after_forward or offload
     for block in blocks:
-        fully_shard(block, mp_policy=mp_policy, offload_policy=offload_policy)
-    fully_shard(model, mp_policy=mp_policy, offload_policy=offload_policy)
+        fully_shard(
+            block,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            reshard_after_forward=reshard,
+        )
+    fully_shard(
+        model, mp_policy=mp_policy, offload_policy=offload_policy, reshard_after_forward=reshard
+    )
     return model
 
 

@@ -97,6 +97,11 @@ class Args:
     gradient_checkpointing: bool = False
     """activation checkpointing on every transformer block of the policy: less memory, about a
     third more compute"""
+    reshard_after_forward: bool = True
+    """FSDP2: free each block's gathered parameters after its forward (true: one shard per rank
+    between uses) or keep them until its backward (false: no second all-gather in the backward,
+    and none after a no-grad forward; the memory of unsharded parameters). Where collectives are
+    slow (gloo on CPU) false is faster; the results are the same"""
     attn_implementation: str = "auto"
     """transformers attention: eager, sdpa, ... or auto (eager where the family needs it: Gemma 2's
     soft-capping, which SDPA drops; else transformers' default)"""
@@ -324,8 +329,8 @@ def main(args):
     train, held_out = load_data(args, tok, model.config.max_position_embeddings)
     if args.gradient_checkpointing:
         common.checkpoint_activations(model)
-    common.shard_model(model, device)
-    common.shard_model(reference, device)
+    for each in (model, reference):
+        common.shard_model(each, device, reshard_after_forward=args.reshard_after_forward)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = get_cosine_schedule_with_warmup(optim, args.warmup_steps, args.max_steps)
     roles = {"model": (model, optim)}  # the reference is the export itself: never saved

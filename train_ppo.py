@@ -145,6 +145,11 @@ class Args:
     gradient_checkpointing: bool = False
     """activation checkpointing on every transformer block (of actor and critic in PPO): less
     memory, about a third more compute"""
+    reshard_after_forward: bool = True
+    """FSDP2: free each block's gathered parameters after its forward (true: one shard per rank
+    between uses) or keep them until its backward (false: no second all-gather in the backward,
+    and none after a no-grad forward; the memory of unsharded parameters). Where collectives are
+    slow (gloo on CPU) false is faster; the results are the same"""
     offload_frozen: bool = False
     """FSDP2 CPU offload for the frozen models (reference and reward model): their weights live in
     host memory and each block is copied to the GPU for its forward (less GPU memory, a copy per
@@ -474,12 +479,11 @@ def build_models(args, device):
             common.checkpoint_activations(models.critic)
     # Every model stays in eval mode: dropout off, so the first ratio is exactly 1 and the KL is
     # reproducible [N policy #4]; gradients flow all the same.
-    for model in (actor, models.critic):
+    # --offload_frozen: the reference and the reward model only (the last two).
+    for i, model in enumerate((actor, models.critic, ref, models.reward_model)):
         if model is not None:
-            common.shard_model(model.eval(), device)
-    for model in (ref, models.reward_model):
-        if model is not None:
-            common.shard_model(model.eval(), device, offload=args.offload_frozen)
+            offload = i >= 2 and args.offload_frozen
+            common.shard_model(model.eval(), device, offload, args.reshard_after_forward)
     # AdamW with eps 1e-5 [N general #5]
     roles = {"actor": (actor, torch.optim.AdamW(actor.parameters(), lr=args.lr, eps=1e-5))}
     if models.critic is not None:

@@ -192,9 +192,13 @@ def test_export_round_trip(tmp_path, straight):
     assert "--role reward: checkpoint has roles ['actor', 'critic']" in p.stderr
 
 
-def test_gradient_checkpointing_changes_nothing_but_memory(tmp_path, straight, sft_model):
-    """Actor and critic with activation checkpointing: the same tensors and metrics."""
+@pytest.mark.parametrize(
+    "flag", [("--gradient_checkpointing", "true"), ("--reshard_after_forward", "false")]
+)
+def test_memory_settings_change_nothing_but_memory(tmp_path, straight, sft_model, flag):
+    """Actor and critic with activation checkpointing, or every model keeping FSDP2's gathered
+    parameters after its forward: the same tensors and metrics."""
     out = str(tmp_path)
-    run("train_ppo.py", *ppo(out, sft_model, "--gradient_checkpointing", "true"))
+    run("train_ppo.py", *ppo(out, sft_model, *flag))
     assert_same_tensors(latest(straight), latest(out))
     assert metrics(straight) == metrics(out)

@@ -241,13 +241,18 @@ def test_torchrun_restarts_a_killed_rank_and_resumes(tmp_path, straight, additio
     assert metrics(straight) == metrics(out)
 
 
-def test_gradient_checkpointing_changes_nothing_but_memory(
-    tmp_path, straight_dropout, addition_jsonl, dropout_model
+@pytest.mark.parametrize(
+    "flag", [("--gradient_checkpointing", "true"), ("--reshard_after_forward", "false")]
+)
+def test_memory_settings_change_nothing_but_memory(
+    tmp_path, straight_dropout, addition_jsonl, dropout_model, flag
 ):
     """Recomputing each block's activations in the backward (with attention dropout on: the
-    recompute must draw the same masks) gives the same weights, optimizer state and metrics."""
+    recompute must draw the same masks), or keeping FSDP2's gathered parameters from forward to
+    backward (and after the evaluation's generate, until the save reshards them), gives the same
+    weights, optimizer state and metrics."""
     out = str(tmp_path)
-    args = sft(out, addition_jsonl, "--gradient_checkpointing", "true", model=dropout_model)
+    args = sft(out, addition_jsonl, *flag, model=dropout_model)
     run("train_sft.py", *args)
     assert_same_tensors(latest(straight_dropout), latest(out))
     assert metrics(straight_dropout) == metrics(out)
