@@ -432,9 +432,11 @@ def shard_model(model, device, offload=False, reshard_after_forward=True):
             offload_policy=offload_policy,
             reshard_after_forward=reshard,
         )
-    fully_shard(
-        model, mp_policy=mp_policy, offload_policy=offload_policy, reshard_after_forward=reshard
-    )
+    # The root keeps FSDP2's default (None: it stays gathered after its forward, as the backward
+    # needs it first). Resharding it breaks the value and reward heads: their losses take the
+    # head's output from a forward hook (`value_head`), not the root's outputs, so the root's
+    # pre-backward hook, which would gather it again, never runs (train_rm.py failed so).
+    fully_shard(model, mp_policy=mp_policy, offload_policy=offload_policy)
     return model
 
 
