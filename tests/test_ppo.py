@@ -196,8 +196,8 @@ def test_export_round_trip(tmp_path, straight):
     "flag", [("--gradient_checkpointing", "true"), ("--reshard_after_forward", "false")]
 )
 def test_memory_settings_change_nothing_but_memory(tmp_path, straight, sft_model, flag):
-    """Actor and critic with activation checkpointing, or every model keeping FSDP2's gathered
-    parameters after its forward: the same tensors and metrics."""
+    """Actor and critic with activation checkpointing, or every model's blocks keeping FSDP2's
+    gathered parameters after their forward: the same tensors and metrics."""
     out = str(tmp_path)
     run("train_ppo.py", *ppo(out, sft_model, *flag))
     assert_same_tensors(latest(straight), latest(out))
