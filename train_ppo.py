@@ -484,12 +484,16 @@ def build_models(args, device):
         if model is not None:
             offload = i >= 2 and args.offload_frozen
             common.shard_model(model.eval(), device, offload, args.reshard_after_forward)
-    # AdamW with eps 1e-5 [N general #5]
-    roles = {"actor": (actor, torch.optim.AdamW(actor.parameters(), lr=args.lr, eps=1e-5))}
+    roles = {"actor": (actor, adamw(actor, args.lr))}
     if models.critic is not None:
-        critic_optim = torch.optim.AdamW(models.critic.parameters(), lr=args.critic_lr, eps=1e-5)
-        roles["critic"] = (models.critic, critic_optim)
+        roles["critic"] = (models.critic, adamw(models.critic, args.critic_lr))
     return models, tok, roles
+
+
+def adamw(model, lr):
+    """AdamW with eps 1e-5 [N general #5]. fused: its element-wise math in one kernel for all
+    parameters, on CPU and CUDA (README: Benchmarks)."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-5, fused=True)
 
 
 def reward_normalisation(config, where):
