@@ -358,6 +358,18 @@ def _durable(path, text=None):
     os.close(fd)
 
 
+def _durable_tree(root):
+    """fsync every regular file below root, every real folder (its entries), and root's parent
+    (root's own entry). A symlink is left alone: what it points to is not ours to sync."""
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                _durable(path)
+        _durable(folder)
+    _durable(os.path.dirname(os.path.abspath(root)))
+
+
 def _entries(root):
     """{relative path: lstat mode} of every entry below root but its real folders, which are
     walked (os.walk follows no symlink: a symlink to a folder is listed here, as a link)."""
@@ -1238,10 +1250,13 @@ def export(path, out, role=None):
             _export(path, hf, os.path.join(local, "out"), role)
             if objstore.is_url(out):
                 _store_call(objstore.upload_folder, out, os.path.join(local, "out"))
-            else:
-                shutil.copytree(os.path.join(local, "out"), out, dirs_exist_ok=True)
-        return
-    _export(path, os.path.join(path, "hf"), out, role)
+                return
+            shutil.copytree(os.path.join(local, "out"), out, dirs_exist_ok=True)
+    else:
+        _export(path, os.path.join(path, "hf"), out, role)
+    # save_pretrained does not fsync: an export that returned is on disk (the next stage, or a
+    # deployment, may start from it right after a power loss)
+    _durable_tree(out)
 
 
 def _export(path, hf, out, role):
