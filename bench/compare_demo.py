@@ -11,9 +11,10 @@ tensor (`torch.equal`), and every metric but the timings equal.
 The reference file holds, per stage, a digest of every tensor of the export (dtype, shape and the
 sha256 of its bytes: equal digests mean torch.equal tensors) and the metrics rows without `time/*`.
 The committed `bench/demo_reference.json` was recorded on the 2-core AMD EPYC machine the project
-is developed on, after the real-models fixes (masked_whiten in float64 moved PPO's numbers; SFT's
-are those of the first recording): float results can differ on another CPU (other SIMD kernels),
-so record your own reference before a change rather than comparing with ours.
+is developed on, re-recorded on 2026-11-24 after AdamW became `fused=True` (a change of numerics on
+purpose: one kernel rounds differently from the loop of element-wise ops it replaced, and both
+stages' numbers moved; README: the demo): float results can differ on another CPU (other SIMD
+kernels), so record your own reference before a change rather than comparing with ours.
 """
 
 import hashlib
