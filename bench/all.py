@@ -7,6 +7,7 @@ time for its peak RSS: bench/vs_trl.py (SFT tokens/s and seconds per GRPO/PPO it
 Hugging Face TRL; the TRL side in its own venv), bench/rollout_speed.py (vLLM vs HF engine) and
 bench/checkpoint_io.py (save/load against the raw disk; async vs blocking save stall). Each ends
 with a `BENCH {json}` line. Ratios are plainrlhf's speedup: above 1, plainrlhf is faster.
+RESULTS.md gets a new top table and raw numbers; its sections after them are kept as they are.
 """
 
 import argparse
@@ -147,9 +148,11 @@ def write(raw):
     raw_numbers = "\n\nRaw numbers:\n\n```json\n" + json.dumps(raw, indent=1) + "\n```\n"
     text = header + "\n".join(table) + raw_numbers
     path = os.path.join(HERE, "RESULTS.md")
-    # The GPU section (bench/gpu.py, on a lent GPU machine) is not re-measured here: kept as is.
-    if os.path.exists(path) and "\n## GPU" in open(path).read():
-        text += "\n## GPU" + open(path).read().split("\n## GPU", 1)[1]
+    # The sections after the raw numbers (the analyses written by hand beside other benches, and
+    # the GPU section, from bench/gpu.py on a lent GPU machine) are not re-measured here: kept
+    # as they are (this once dropped every section but the GPU one).
+    if os.path.exists(path) and "\n## " in open(path).read():
+        text += "\n## " + open(path).read().split("\n## ", 1)[1]
     open(path, "w").write(text)
     print("\n".join(table))
     print(f"\nwritten to {os.path.join(HERE, 'RESULTS.md')}")
