@@ -193,3 +193,17 @@ def memorised_sft(tmp_path_factory):
     run("train_sft.py", *args, "--eval_every", 0, "--eval_samples", 16, "--save_every", 0)
     assert metrics(out)[-1]["eval/accuracy"] == 1.0
     return os.path.join(out, "hf"), eval_path, pairs_path
+
+
+@pytest.fixture
+def fsynced(monkeypatch):
+    """The paths `os.fsync` is called on from here on, in order (the real fsync still runs)."""
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return synced

@@ -137,25 +137,17 @@ def test_an_export_that_cannot_be_written_is_one_line(done, tmp_path):
     assert_one_line_error(p, f"error: {out}: Error while serializing", "File too large")
 
 
-def test_an_export_is_fsynced(done, tmp_path, monkeypatch):
+def test_an_export_is_fsynced(done, tmp_path, fsynced):
     """save_pretrained does not fsync: `checkpoint.export` fsyncs every file it wrote, its folder
     and the folder's parent, so that an export that returned (the next stage may start from it)
     survives a power loss."""
     import checkpoint
 
-    synced = []
-    real_fsync = os.fsync
-
-    def fsync(fd):
-        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync)
     out = tmp_path / "export"
     checkpoint.export(latest(done), str(out))
     written = [str(p) for p in out.rglob("*") if p.is_file()]
     assert str(out / "model.safetensors") in written and len(written) > 3, written
-    assert set(written + [str(out), str(tmp_path)]) <= set(synced)
+    assert set(written + [str(out), str(tmp_path)]) <= set(fsynced)
 
 
 def test_a_refused_pickle_is_one_line(copy, tmp_path, addition_jsonl):

@@ -257,7 +257,7 @@ def test_inverse_cdf_sampler_draws_the_distribution_and_its_seeds():
     assert alone(None, probs.log()[None]).argmax(-1)[0] == tokens[7]
 
 
-def test_every_small_file_of_a_save_is_fsynced(tmp_path, monkeypatch):
+def test_every_small_file_of_a_save_is_fsynced(tmp_path, fsynced):
     """save_pretrained does not fsync; `_write_small_files` fsyncs each file it wrote (hf/,
     meta.json, the RNG state), so that a power loss after the commit cannot leave a committed
     checkpoint with a file the disk never got."""
@@ -266,14 +266,6 @@ def test_every_small_file_of_a_save_is_fsynced(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
     task.ensure_tiny_model()
-    synced = []
-    real_fsync = os.fsync
-
-    def fsync(fd):
-        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync)
     hf_objs = (
         AutoConfig.from_pretrained(task.TINY_MODEL),
         AutoTokenizer.from_pretrained(task.TINY_MODEL),
@@ -289,4 +281,4 @@ def test_every_small_file_of_a_save_is_fsynced(tmp_path, monkeypatch):
             dist.destroy_process_group()
     written = sorted(str(p) for p in tmp_path.rglob("*") if p.is_file())
     assert any("/hf/" in path for path in written) and len(written) > 4, written
-    assert sorted(set(synced)) == written
+    assert sorted(set(fsynced)) == written
