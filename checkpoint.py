@@ -1218,12 +1218,16 @@ def _empty_model(hf, role):
     from transformers import AutoModelForSequenceClassification
     from transformers import AutoModelForTokenClassification
 
+    import common  # the stages' classifier classes (common imports this module at its top)
+
     if role == "critic":  # PPO's value model
         config = AutoConfig.from_pretrained(hf, num_labels=1, trust_remote_code=False)
-        return AutoModelForTokenClassification.from_config(config, trust_remote_code=False)
+        cls = common.classifier_class(config, AutoModelForTokenClassification)
+        return cls._from_config(config)
     if role == "reward_model":  # train_rm.py's
         config = AutoConfig.from_pretrained(hf, num_labels=1, trust_remote_code=False)
-        return AutoModelForSequenceClassification.from_config(config, trust_remote_code=False)
+        cls = common.classifier_class(config, AutoModelForSequenceClassification)
+        return cls._from_config(config)
     config = AutoConfig.from_pretrained(hf, trust_remote_code=False)
     return AutoModelForCausalLM.from_config(config, trust_remote_code=False)
 

@@ -479,8 +479,14 @@ def checkpoint_activations(model):
             )
 
 
-def load_model_and_tokenizer(path, cls, attn_implementation="auto", **kwargs):
+def load_model_and_tokenizer(path, cls, attn_implementation="auto", new_head=False, **kwargs):
     """(model, tokenizer) from an HF folder or hub id, fp32 master weights; one line if it fails.
+
+    cls: an Auto class; a classifier (the critic, a reward model) of a family transformers ships
+    no classifier for gets one built the way transformers builds its own (`classifier_class`).
+    Every weight the model needs must come from the folder, except, with new_head, the classifier
+    head (a critic or reward model started from a causal LM): transformers would otherwise start a
+    missing weight from random numbers and only log it, which the quiet console hides.
 
     A tokenizer without a PAD token (Llama 3 base, GPT-2) gets EOS as its PAD. That is safe here:
     every mask in plainrlhf is built from sequence lengths, never from `input_ids == pad_id`, so a
@@ -494,9 +500,13 @@ def load_model_and_tokenizer(path, cls, attn_implementation="auto", **kwargs):
         attention = attention_implementation(path, attn_implementation)
         if attention is not None:
             kwargs["attn_implementation"] = attention
-        model = cls.from_pretrained(path, dtype=torch.float32, trust_remote_code=False, **kwargs)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        model, info = classifier_class(config, cls).from_pretrained(
+            path, dtype=torch.float32, trust_remote_code=False, output_loading_info=True, **kwargs
+        )
     except (OSError, ValueError) as e:
         raise SystemExit(load_error(path, e))
+    check_all_loaded(path, info["missing_keys"], new_head)
     if tok.eos_token_id is None:
         raise SystemExit(f"error: --model {path}: the tokenizer has no EOS token")
     if tok.pad_token_id is None:
@@ -508,6 +518,60 @@ def load_model_and_tokenizer(path, cls, attn_implementation="auto", **kwargs):
             f"{rows} rows; call model.resize_token_embeddings(len(tokenizer)) and save the model"
         )
     return model, tok
+
+
+def classifier_class(config, cls):
+    """The class `cls` (an Auto class) loads `config`'s family as. For a token or sequence
+    classifier of a family transformers ships none for (in transformers 5.19, 119 of its 178
+    causal-LM families have no token classifier, 92 no sequence classifier: Gemma 3, OLMo 2,
+    Granite, Cohere among them), the class transformers would write: its own
+    `GenericFor{Token,Sequence}Classification` over the family's PreTrainedModel, as
+    `LlamaForTokenClassification` is written. Its backbone sits where the family's causal LM keeps
+    it (`base_model_prefix`), so it loads from a causal LM folder; its head is `score`."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForTokenClassification
+    from transformers import PreTrainedModel
+    from transformers.modeling_layers import GenericForSequenceClassification
+    from transformers.modeling_layers import GenericForTokenClassification
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    mapping, generic = {
+        AutoModelForTokenClassification: (
+            MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING,
+            GenericForTokenClassification,
+        ),
+        AutoModelForSequenceClassification: (
+            MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+            GenericForSequenceClassification,
+        ),
+    }.get(cls, (None, None))
+    family = type(config)
+    if generic is None or family not in MODEL_MAPPING:
+        return cls  # not a classifier, or transformers' own error for a family it does not know
+    if family in mapping:
+        return mapping[family]  # the family's own: LlamaForTokenClassification
+    base = MODEL_MAPPING[family]  # e.g. Olmo2Model, whose first parent is Olmo2PreTrainedModel
+    parents = [c for c in base.__mro__ if c is not base and issubclass(c, PreTrainedModel)]
+    pretrained = parents[0]
+    task_name = generic.__name__.removeprefix("Generic")  # ForTokenClassification
+    name = pretrained.__name__.removesuffix("PreTrainedModel") + task_name
+    body = {"config_class": family, "base_model_prefix": pretrained.base_model_prefix}
+    return type(name, (generic, pretrained), body)
+
+
+def check_all_loaded(path, missing, new_head):
+    """One line if the folder lacked weights the model needs; with new_head, the classifier head
+    (`score`, `classifier`) may be new."""
+    heads = ("score.", "classifier.")
+    lacking = [k for k in missing if not (new_head and k.startswith(heads))]
+    if lacking:
+        shown = ", ".join(sorted(lacking)[:3])
+        raise SystemExit(
+            f"error: --model {path}: the folder has no weights for {shown} ({len(lacking)} "
+            "missing); is it a model of this kind (a reward model for --reward_model)?"
+        )
 
 
 def value_head(model):

@@ -119,7 +119,9 @@ class VLLMEngine:
             kwargs["dtype"] = "float32"
             kwargs["enforce_eager"] = True
             kwargs["kv_cache_memory_bytes"] = 256 << 20
+        before = _model_classes()
         self.llm = LLM(**kwargs)
+        _keep_decoration_to_the_engine(self.llm, before)
         self.asleep = False
         # vLLM's Gemma 2 (also Command-R, Cohere2, Gemma3n) has no lm_head module: it always
         # reuses the embeddings and refuses a tensor named lm_head.weight. Ask its model.
@@ -182,6 +184,63 @@ def _model_has_lm_head(worker):
     `_vllm_reload_weights`, the only reach into vLLM internals (worker.model_runner.model),
     written against vllm 0.32.0."""
     return hasattr(worker.model_runner.model, "lm_head")
+
+
+def _model_classes():
+    """{class: (its bases, a copy of its own attributes)} for every transformers model class
+    defined so far (the trainer's model family is among them: its models are built)."""
+    from transformers import PreTrainedModel
+
+    classes = {}
+    todo = [PreTrainedModel]
+    while todo:
+        cls = todo.pop()
+        for child in cls.__subclasses__():
+            if child not in classes:
+                classes[child] = (child.__bases__, dict(vars(child)))
+                todo.append(child)
+    return classes
+
+
+def _keep_decoration_to_the_engine(llm, before):
+    """vLLM runs some families through its Transformers backend (in vllm 0.32: GPT-NeoX, OLMo,
+    OLMo 2 and 3, Phi-1/2, SmolLM3, Starcoder2, and any family it has no code of its own for),
+    and to compile them it decorates transformers' own decoder class in place
+    (`vllm.compilation.decorators.support_torch_compile`: another base, __init__ and __call__).
+    In its own process that is harmless; in the trainer's, every instance of the class is hit:
+    the actor built before the engine fails at its first forward (its __call__ wants attributes
+    only the new __init__ sets), a model built after it (the end-of-run export) fails at once
+    (that __init__ wants a vLLM config). So each decorated class gets back the bases and
+    attributes it had before the engine was built, and the decoration moves to a subclass that
+    only vLLM's own instances of it are switched to: they run exactly as vLLM set them up."""
+    decorated = {}
+    for cls, (bases, attributes) in before.items():
+        if cls.__bases__ == bases:
+            continue
+        added = tuple(b for b in cls.__bases__ if b not in bases)
+        changed = {k: v for k, v in vars(cls).items() if attributes.get(k, _MISSING) is not v}
+        changed.pop("__dict__", None)
+        changed.pop("__weakref__", None)
+        decorated[cls] = type(cls.__name__, (cls, *added), changed)
+        cls.__bases__ = bases
+        for name in changed:
+            if name in attributes:
+                setattr(cls, name, attributes[name])
+            else:
+                delattr(cls, name)
+    if decorated:
+        llm.collective_rpc(_switch_classes, args=(decorated,))
+
+
+_MISSING = object()
+
+
+def _switch_classes(worker, decorated):
+    """Run on vLLM's worker (in this process): its model's instances of a class vLLM decorated
+    become instances of the decorated subclass (`_keep_decoration_to_the_engine`)."""
+    for module in worker.model_runner.get_model().modules():
+        if type(module) in decorated:
+            module.__class__ = decorated[type(module)]
 
 
 def _without_lm_head(named_tensors):

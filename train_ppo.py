@@ -455,7 +455,7 @@ def build_models(args, device):
         # The critic: the SFT backbone and a value head; a zero head gives zero initial values
         # [N policy #2]; a separate network from the actor [37 core #13].
         critic, _ = common.load_model_and_tokenizer(
-            args.model, AutoModelForTokenClassification, attention, num_labels=1
+            args.model, AutoModelForTokenClassification, attention, new_head=True, num_labels=1
         )
         head = common.value_head(critic)
         torch.nn.init.zeros_(head.weight)

@@ -350,7 +350,11 @@ def main(args):
     metrics_log = common.MetricsLog(common.local_dir(args), args.tensorboard, args.out_dir)
 
     model, tok = common.load_model_and_tokenizer(
-        args.model, AutoModelForSequenceClassification, args.attn_implementation, num_labels=1
+        args.model,
+        AutoModelForSequenceClassification,
+        args.attn_implementation,
+        new_head=True,  # from a causal LM; a reward model's own head is kept (below)
+        num_labels=1,
     )
     # A causal LM folder has no reward head: transformers made one from the global RNG, which
     # differs per rank. A sequence classifier's own head (a reward model trained on) is kept.

@@ -14,6 +14,7 @@ transformers and plain vLLM, which must decode the same greedy tokens (tests/rou
 """
 
 import json
+import math
 import os
 
 import pytest
@@ -223,6 +224,57 @@ def build_llama3(path):
     )
 
 
+def build_olmo2(path):
+    """A 2-layer OLMo 2: vLLM 0.32 runs it through its Transformers backend (transformers' own
+    modelling code, decorated in place for torch.compile), and transformers has no token
+    classifier for it (the critic's class is built: common.classifier_class)."""
+    from transformers import Olmo2Config
+    from transformers import Olmo2ForCausalLM
+
+    plain_tokenizer(path)
+    torch.manual_seed(0)
+    Olmo2ForCausalLM(Olmo2Config(**SMALL)).save_pretrained(path)
+
+
+def build_granite(path):
+    """A 2-layer Granite: its multipliers (embeddings, residuals, attention, logits) and no
+    sequence classifier in transformers (the reward model's class is built)."""
+    from transformers import GraniteConfig
+    from transformers import GraniteForCausalLM
+
+    plain_tokenizer(path)
+    multipliers = dict(embedding_multiplier=4.0, residual_multiplier=0.5, logits_scaling=2.0)
+    config = GraniteConfig(**SMALL, **multipliers, attention_multiplier=0.02)
+    torch.manual_seed(0)
+    GraniteForCausalLM(config).save_pretrained(path)
+
+
+# A 2-layer model's shape, head_dim 64 (vLLM-CPU's attention), with <pad> <s> </s> ids 0, 1, 2
+SMALL = dict(
+    vocab_size=128,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def plain_tokenizer(path):
+    """A character tokenizer with <pad>, <s> and </s> (no BOS added), saved to path."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = char_tokenizer(["<pad>", "<s>", "</s>"], unk="<pad>")
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+    save_tokenizer(hf_tok, path)
+
+
 def sft(tmp_path_factory, base, name):
     out = str(tmp_path_factory.mktemp(name))
     args = ("--model", base, "--out_dir", out, "--max_steps", 40, "--eval_every", 0)
@@ -361,6 +413,42 @@ def llama3_sft(tmp_path_factory):
 def test_llama3_base_no_pad(tmp_path, llama3_sft):
     """No PAD token, BOS prepended, llama3 RoPE: through PPO, resume, export, both loaders."""
     family_case(tmp_path, llama3_sft, "vllm")
+
+
+@pytest.fixture(scope="module")
+def olmo2_sft(tmp_path_factory):
+    base = str(tmp_path_factory.mktemp("olmo2"))
+    build_olmo2(base)
+    return os.path.join(sft(tmp_path_factory, base, "olmo2-sft"), "hf")
+
+
+def test_olmo2_through_vllms_transformers_backend_with_a_built_critic(tmp_path, olmo2_sft):
+    """vLLM decorated transformers' Olmo2Model class in place when its engine started, and the
+    actor, an instance of it, failed at its first forward (`rollout._keep_decoration_to_the_engine`
+    moves the decoration to vLLM's own instance); the critic needs a token classifier
+    transformers has no class for. Through PPO (GAE), resume, export, both loaders."""
+    family_case(tmp_path, olmo2_sft, "vllm")
+
+
+def test_reward_model_of_a_family_without_a_classifier(tmp_path):
+    """train_rm.py on Granite (no sequence classifier in transformers: the class is built), then
+    its export as PPO's --reward_model: it must load with its trained head (not a new one)."""
+    base = str(tmp_path / "granite")
+    build_granite(base)
+    rm = str(tmp_path / "rm")
+    args = ("--model", base, "--out_dir", rm, "--max_steps", 4, "--train_batch_size", 16)
+    run("train_rm.py", *args, "--micro_batch_size", 8, "--eval_every", 0, "--eval_samples", 16)
+    config = json.load(open(os.path.join(rm, "hf", "config.json")))
+    assert config["architectures"] == ["GraniteForSequenceClassification"]
+    assert "score.weight" in load_file(os.path.join(rm, "hf", "model.safetensors"))
+    out = str(tmp_path / "ppo")
+    args = ("--model", base, "--out_dir", out, "--rollout_engine", "hf")
+    args += ("--reward_model", os.path.join(rm, "hf"), "--advantage_estimator", "grpo")
+    args += ("--rollout_batch_size", 8, "--n_samples_per_prompt", 2, "--train_batch_size", 16)
+    args += ("--micro_batch_size", 8, "--max_steps", 2, "--eval_samples", 8, "--eval_every", 0)
+    run("train_ppo.py", *args)
+    scores = [row["objective/score"] for row in metrics(out) if "objective/score" in row]
+    assert len(scores) == 2 and all(math.isfinite(s) for s in scores), scores
 
 
 def test_weight_sync_sentinel_tied_head(tmp_path):

@@ -172,7 +172,7 @@ def test_reward_model_reads_its_own_tokens_at_the_last_real_token(tmp_path):
 
     build_gpt2(str(tmp_path))
     model, tok = common.load_model_and_tokenizer(
-        str(tmp_path), AutoModelForSequenceClassification, num_labels=1
+        str(tmp_path), AutoModelForSequenceClassification, new_head=True, num_labels=1
     )
     assert tok.pad_token_id == tok.eos_token_id  # no PAD: EOS stands in
     model.config.pad_token_id = tok.pad_token_id

@@ -282,3 +282,32 @@ def test_every_small_file_of_a_save_is_fsynced(tmp_path, fsynced):
     written = sorted(str(p) for p in tmp_path.rglob("*") if p.is_file())
     assert any("/hf/" in path for path in written) and len(written) > 4, written
     assert sorted(set(fsynced)) == written
+
+
+def test_a_classifier_of_a_family_transformers_has_none_for(tmp_path):
+    """Granite has no token or sequence classifier in transformers: common.classifier_class
+    builds them as transformers writes Llama's; loaded from the causal LM folder, the backbone is
+    the causal LM's own (the same hidden states), only the head is new. A folder without the head
+    (a causal LM given as a reward model) is one line, not a random head."""
+    from test_families import build_granite
+    from transformers import AutoConfig
+    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForTokenClassification
+
+    build_granite(str(tmp_path))
+    config = AutoConfig.from_pretrained(tmp_path)
+    critic_class = common.classifier_class(config, AutoModelForTokenClassification)
+    assert critic_class.__name__ == "GraniteForTokenClassification"
+    lm, _ = common.load_model_and_tokenizer(str(tmp_path), AutoModelForCausalLM)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    expected = lm.model(ids).last_hidden_state
+    for cls in (AutoModelForTokenClassification, AutoModelForSequenceClassification):
+        model, _ = common.load_model_and_tokenizer(str(tmp_path), cls, new_head=True, num_labels=1)
+        assert type(model).__name__ == "Granite" + cls.__name__.removeprefix("AutoModel")
+        assert torch.equal(model.model(ids).last_hidden_state, expected)
+        assert common.value_head(model).out_features == 1
+    with pytest.raises(SystemExit) as e:
+        common.load_model_and_tokenizer(str(tmp_path), AutoModelForSequenceClassification)
+    assert str(e.value).startswith(f"error: --model {tmp_path}: the folder has no weights for")
+    assert "score.weight" in str(e.value) and "\n" not in str(e.value)
