@@ -181,8 +181,8 @@ class VLLMEngine:
 
 def _model_has_lm_head(worker):
     """Run on vLLM's worker (in this process): does its model have an lm_head module? With
-    `_vllm_reload_weights`, the only reach into vLLM internals (worker.model_runner.model),
-    written against vllm 0.32.0."""
+    `_vllm_reload_weights` and `_switch_classes`, the reaches into vLLM internals (its worker's
+    model runner), written against vllm 0.32.0."""
     return hasattr(worker.model_runner.model, "lm_head")
 
 
