@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 # this process. In its own process, passing tensors to reload_weights killed it; in this one,
 # sync_weights can hand vLLM a generator that runs collectives.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+_MISSING = object()  # an attribute a class did not have (`_keep_decoration_to_the_engine`)
 
 
 @dataclasses.dataclass
@@ -184,8 +185,8 @@ class VLLMEngine:
 
 def _model_has_lm_head(worker):
     """Run on vLLM's worker (in this process): does its model have an lm_head module? With
-    `_vllm_reload_weights` and `_switch_classes`, the reaches into vLLM internals (its worker's
-    model runner), written against vllm 0.32.0."""
+    `_vllm_reload_weights`, `_switch_classes` and `_repack_cpu_experts`, the reaches into vLLM
+    internals (its worker's model runner), written against vllm 0.32.0."""
     return hasattr(worker.model_runner.model, "lm_head")
 
 
@@ -233,9 +234,6 @@ def _keep_decoration_to_the_engine(llm, before):
                 delattr(cls, name)
     if decorated:
         llm.collective_rpc(_switch_classes, args=(decorated,))
-
-
-_MISSING = object()
 
 
 def _switch_classes(worker, decorated):
