@@ -278,8 +278,11 @@ def plain_tokenizer(path):
     save_tokenizer(hf_tok, path)
 
 
-def sft(tmp_path_factory, base, name):
-    out = str(tmp_path_factory.mktemp(name))
+def sft(tmp_path_factory, name, build):
+    """The family's tiny model built by `build`, then 40 SFT steps on 2 ranks; the run's folder."""
+    base = str(tmp_path_factory.mktemp(name))
+    build(base)
+    out = str(tmp_path_factory.mktemp(name + "-sft"))
     args = ("--model", base, "--out_dir", out, "--max_steps", 40, "--eval_every", 0)
     run("train_sft.py", *args, "--eval_samples", 16, "--save_every", 100, "--lr", 1e-3)
     return out
@@ -337,9 +340,7 @@ def family_case(tmp_path, sft_folder, engine):
 
 @pytest.fixture(scope="module")
 def gpt2_sft(tmp_path_factory):
-    base = str(tmp_path_factory.mktemp("gpt2"))
-    build_gpt2(base)
-    out = sft(tmp_path_factory, base, "gpt2-sft")
+    out = sft(tmp_path_factory, "gpt2", build_gpt2)
     tokenizer_config = json.load(open(os.path.join(out, "hf", "tokenizer_config.json")))
     assert tokenizer_config.get("pad_token") == EOS  # no PAD: EOS stands in, and says so
     return os.path.join(out, "hf")
@@ -352,9 +353,7 @@ def test_gpt2_tied_head_no_pad_through_ppo(tmp_path, gpt2_sft):
 
 @pytest.fixture(scope="module")
 def qwen2_sft(tmp_path_factory):
-    base = str(tmp_path_factory.mktemp("qwen2"))
-    build_qwen2(base)
-    out = sft(tmp_path_factory, base, "qwen2-sft")
+    out = sft(tmp_path_factory, "qwen2", build_qwen2)
     exported = json.load(open(os.path.join(out, "hf", "generation_config.json")))
     assert exported["repetition_penalty"] == 1.05  # the folder's own, kept for deployment
     return os.path.join(out, "hf")
@@ -394,9 +393,7 @@ def test_reward_model_of_another_family(tmp_path):
 
 @pytest.fixture(scope="module")
 def gemma2_sft(tmp_path_factory):
-    base = str(tmp_path_factory.mktemp("gemma2"))
-    build_gemma2(base)
-    return os.path.join(sft(tmp_path_factory, base, "gemma2-sft"), "hf")
+    return os.path.join(sft(tmp_path_factory, "gemma2", build_gemma2), "hf")
 
 
 @pytest.mark.parametrize("engine", ["vllm", "hf"])
@@ -408,9 +405,7 @@ def test_gemma2_softcapping_and_no_lm_head_in_vllm(tmp_path, gemma2_sft, engine)
 
 @pytest.fixture(scope="module")
 def llama3_sft(tmp_path_factory):
-    base = str(tmp_path_factory.mktemp("llama3"))
-    build_llama3(base)
-    return os.path.join(sft(tmp_path_factory, base, "llama3-sft"), "hf")
+    return os.path.join(sft(tmp_path_factory, "llama3", build_llama3), "hf")
 
 
 def test_llama3_base_no_pad(tmp_path, llama3_sft):
@@ -420,9 +415,7 @@ def test_llama3_base_no_pad(tmp_path, llama3_sft):
 
 @pytest.fixture(scope="module")
 def olmo2_sft(tmp_path_factory):
-    base = str(tmp_path_factory.mktemp("olmo2"))
-    build_olmo2(base)
-    return os.path.join(sft(tmp_path_factory, base, "olmo2-sft"), "hf")
+    return os.path.join(sft(tmp_path_factory, "olmo2", build_olmo2), "hf")
 
 
 def test_olmo2_through_vllms_transformers_backend_with_a_built_critic(tmp_path, olmo2_sft):
@@ -435,9 +428,7 @@ def test_olmo2_through_vllms_transformers_backend_with_a_built_critic(tmp_path, 
 
 @pytest.fixture(scope="module")
 def mixtral_sft(tmp_path_factory):
-    base = str(tmp_path_factory.mktemp("mixtral"))
-    build_mixtral(base)
-    return os.path.join(sft(tmp_path_factory, base, "mixtral-sft"), "hf")
+    return os.path.join(sft(tmp_path_factory, "mixtral", build_mixtral), "hf")
 
 
 def test_mixtral_experts_reach_the_engine(tmp_path, mixtral_sft):
