@@ -56,7 +56,7 @@ class Args:
     """with an object-store --out_dir (s3://...): the local folder for metrics.jsonl, samples.jsonl
     and tensorboard/, copied into the store at every checkpoint and at the end ('': runs/store/
     followed by the URL's bucket and path); a local --out_dir holds them itself"""
-    max_steps: int = 1000
+    max_steps: int = 2000
     """optimizer steps in the whole run (the LR schedule spans them)"""
     save_every: int = 250
     """save a full checkpoint every this many steps (and at the end)"""
@@ -71,7 +71,7 @@ class Args:
     """pairs per optimizer step, over all ranks"""
     micro_batch_size: int = 32
     """pairs per forward/backward on one rank (both responses of a pair in the same one)"""
-    lr: float = 1e-3
+    lr: float = 3e-4
     """peak learning rate (AdamW), after linear warmup, then cosine decay to 0"""
     weight_decay: float = 0.0
     """AdamW's decoupled weight decay"""
