@@ -131,6 +131,9 @@ def test_kl_coef_0_runs_no_reference_and_trains_the_same(tmp_path, sft_model, es
     if estimator == "gae-one-update":
         flags += ("--ppo_epochs", 1, "--train_batch_size", 32)  # 16 prompts x 2 samples
     flags += ("--eval_every", 0, "--eval_samples", 0)
+    # The HF engine: what is compared here does not involve the engine, and each of the four
+    # runs then skips vLLM's start (~8 s); the later flag wins over ppo()'s --rollout_engine vllm
+    flags += ("--rollout_engine", "hf")
     without = str(tmp_path / "without")
     run("train_ppo.py", *ppo(without, sft_model, *flags))
     kept = str(tmp_path / "kept")
