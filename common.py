@@ -465,6 +465,19 @@ def attention_implementation(path, choice):
     return None
 
 
+def head_only_at_last(model, n):
+    """{"logits_to_keep": n}, transformers' own argument: a causal LM computes its head's logits
+    at the last n positions only (the same numbers there; only the head's weight gradient, a sum
+    over fewer positions, is rounded differently). At a real vocabulary the logits [B, T, V] are
+    a forward's largest tensor (Qwen2's 151,936 entries are 0.6 MB per token in fp32), and the
+    head's matmul a large share of its time; TRL's GRPOTrainer keeps only the completion's too.
+    {} for a class whose forward has no such argument (8 of transformers' 178 causal LMs,
+    Whisper's and MusicGen's among them): its head then runs everywhere."""
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        return {"logits_to_keep": n}
+    return {}
+
+
 def checkpoint_activations(model):
     """Activation checkpointing on every transformer block: a block keeps only its input during
     the forward and recomputes its activations in the backward (torch.utils.checkpoint,

@@ -388,23 +388,31 @@ def make_batch(prompts, responses, pad_id, device="cpu"):
 
 
 def at_responses(outputs, batch):
-    """The outputs that belong to the response tokens, [B, P + R, ...] -> [B, R, ...].
+    """The outputs that belong to the response tokens, [B, P + R, ...] -> [B, R, ...]; or
+    [B, R + 1, ...] -> [B, R, ...] when the model computed only the last R + 1 columns
+    (`logprobs_of`): counted from the right, both are the same columns.
 
     The one place the shift by one is made: the output at position t predicts token t + 1, so
     response token k (at column P + k) is predicted, and its state valued, at column P + k - 1.
     The last column predicts past the end and is dropped."""
-    return outputs[:, batch.response_start - 1 : -1]
+    R = batch.input_ids.shape[1] - batch.response_start
+    return outputs[:, -(R + 1) : -1]
 
 
 def logprobs_of(model, batch, temperature):
     """log pi(y_k | prompt, y_<k) of every response token under model(logits / temperature):
     [B, R]. Temperature as when sampling [N policy #1]: without it, the KL to the reference and
     the PPO ratio are computed for another distribution than the one sampled from."""
+    R = batch.input_ids.shape[1] - batch.response_start
     outputs = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
         use_cache=False,  # no KV cache in a scoring/training forward (cf. checkpoint_activations)
+        # The LM head only on the R + 1 columns that predict the response (and the one past it):
+        # at a real vocabulary its logits are the forward's largest tensor, and over a prompt
+        # they would predict prompt tokens no loss reads. The same numbers (`at_responses`).
+        **common.head_only_at_last(model, R + 1),
     )
     logits = at_responses(outputs.logits, batch).float()  # [B, R, V]
     logp = (logits / max(temperature, 1e-7)).log_softmax(-1)

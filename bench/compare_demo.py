@@ -13,8 +13,11 @@ sha256 of its bytes: equal digests mean torch.equal tensors) and the metrics row
 The committed `bench/demo_reference.json` was recorded on the 2-core AMD EPYC machine the project
 is developed on, re-recorded on 2026-11-24 after AdamW became `fused=True` (a change of numerics on
 purpose: one kernel rounds differently from the loop of element-wise ops it replaced, and both
-stages' numbers moved; README: the demo): float results can differ on another CPU (other SIMD
-kernels), so record your own reference before a change rather than comparing with ours.
+stages' numbers moved; README: the demo), and again the same day when PPO's logprobs began to
+ask for the LM head at the response's columns only (the head's weight gradient, a sum over fewer
+positions, rounds differently: PPO's numbers moved). Float results can differ on another CPU
+(other SIMD kernels), so record your own reference before a change rather than comparing with
+ours.
 """
 
 import hashlib

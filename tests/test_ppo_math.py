@@ -276,3 +276,52 @@ def test_old_logprobs_from_the_update_only_when_one_step_and_no_kl_reward():
     args.ppo_epochs = 1
     args.train_batch_size = 16
     assert not ppo.old_logprobs_from_update(args)  # two steps: the second ran on new weights
+
+
+def test_logprobs_need_the_head_only_where_a_response_token_is_predicted():
+    """`logprobs_of` asks the model for its head's logits at the last R + 1 columns only
+    (`common.head_only_at_last`): the logprobs are bitwise those of the full [B, P + R, V]
+    logits, the head sees R + 1 columns, and a model whose forward takes no `logits_to_keep`
+    gets the same logprobs from its full logits."""
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12]]
+    responses = [[1, 2], [3, 4, 5, 2], [6]]
+    batch = ppo.make_batch(prompts, responses, pad_id=0)  # P = 5, R = 4
+    head_columns = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: head_columns.append(i[0].shape[1]))
+    with torch.no_grad():
+        logprobs = ppo.logprobs_of(model, batch, temperature=0.7)  # [3, 4]
+        full = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+        ).logits  # [3, 9, V]
+    hook.remove()
+    assert head_columns == [5, 9]  # R + 1 for logprobs_of, P + R for the full forward
+    expected = (full[:, 4:-1].float() / 0.7).log_softmax(-1)  # columns P - 1 .. P + R - 2
+    expected = expected.gather(-1, batch.input_ids[:, 5:, None])[..., 0]
+    assert torch.equal(logprobs, expected)
+
+    class NoKeep(torch.nn.Module):  # a forward without the argument, as Whisper's decoder
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask, position_ids, use_cache):
+            return self.inner(input_ids, attention_mask, position_ids=position_ids)
+
+    with torch.no_grad():
+        assert torch.equal(ppo.logprobs_of(NoKeep(model), batch, temperature=0.7), expected)
