@@ -26,6 +26,7 @@ import os
 import random
 import signal
 import sys
+import time
 import traceback
 import typing
 import warnings
@@ -778,6 +779,21 @@ def peak_gpu_memory():
     return f"; peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
 
 
+def release_collectives(seconds=0.2):
+    """At a run's end, after destroy_process_group: let go of what the collectives still hold
+    before the interpreter shuts down (cf. pytorch#179291). Two things held on: FSDP modules sit in
+    reference cycles with gloo work objects (gc.collect frees them now); and a gloo worker thread
+    frees a finished collective's tensors after its caller has moved on, which needs the GIL once
+    their Python objects are gone. A thread that asks for the GIL while the interpreter finalizes
+    is ended inside a C++ frame: "terminate called without an active exception", SIGABRT, after
+    a run that finished (3 of 96 runs of tests/fault_check.py, two or three running at once;
+    the core: ProcessGroupGloo::runLoop -> ~AsyncAllreduceWork -> decref_pyobject -> take_gil;
+    0 of 60 with this). gloo's threads outlive destroy_process_group: the sleep hands them the
+    GIL while that is safe."""
+    gc.collect()
+    time.sleep(seconds)
+
+
 def run(main, cls, limits):
     """main(parse_args(cls, limits)); a bad flag, a bad checkpoint or a failed collective ends in
     one line naming them (`print_error`), and the exit status 1."""
@@ -785,10 +801,7 @@ def run(main, cls, limits):
         args = parse_args(cls, limits)
         quiet_console(args.verbose)
         main(args)
-        # FSDP modules sit in reference cycles: free them (and the gloo work objects they hold) now,
-        # not while the interpreter shuts down: that aborted a rank twice in ~150 runs here
-        # (cf. pytorch#179291).
-        gc.collect()
+        release_collectives()
         return
     except SystemExit as e:
         if not isinstance(e.code, str):  # an exit status, not an error message

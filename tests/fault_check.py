@@ -93,6 +93,7 @@ def main(out):
     print(f"rank {rank}: FAULT_CHECK_OK", flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    common.release_collectives()  # as the stages end (common.run)
 
 
 if __name__ == "__main__":

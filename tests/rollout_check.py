@@ -127,6 +127,7 @@ def main(path):
     vl.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+    common.release_collectives()  # as the stages end (common.run)
     print(f"ROLLOUT CHECK OK rank {rank}", flush=True)
 
 
