@@ -20,6 +20,24 @@ def t(x):
     return torch.tensor(x, dtype=torch.float)
 
 
+def tiny_llama(vocab_size):
+    """A 2-block random Llama (seed 0) in eval mode, as build_models leaves it: no dropout."""
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
 def test_rewards_put_kl_on_every_token_and_the_score_on_the_last():
     logp = t([[-1.0, -2.0, -3.0], [-1.0, -1.0, -9.0]])
     ref = t([[-1.5, -2.0, -2.0], [-2.0, -1.0, -1.0]])
@@ -202,20 +220,7 @@ def test_old_logprobs_from_the_update_change_nothing():
     weights are bitwise those of the path that computes them first."""
     import copy
 
-    from transformers import LlamaConfig
-    from transformers import LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=16,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    actor = LlamaForCausalLM(config).eval()  # eval, as build_models: no dropout
+    actor = tiny_llama(vocab_size=16)
     args = ppo.Args(model="unused", out_dir="unused")
     args.advantage_estimator = "grpo"
     args.kl_coef = 0.0
@@ -283,20 +288,7 @@ def test_logprobs_need_the_head_only_where_a_response_token_is_predicted():
     (`common.head_only_at_last`): the logprobs are bitwise those of the full [B, P + R, V]
     logits, the head sees R + 1 columns, and a model whose forward takes no `logits_to_keep`
     gets the same logprobs from its full logits."""
-    from transformers import LlamaConfig
-    from transformers import LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_llama(vocab_size=300)
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12]]
     responses = [[1, 2], [3, 4, 5, 2], [6]]
     batch = ppo.make_batch(prompts, responses, pad_id=0)  # P = 5, R = 4
