@@ -93,6 +93,11 @@ def test_random_sigkills_then_resume_end_with_the_same_weights(tmp_path, straigh
             moments.append((attempt, logged_steps(out), sorted(os.listdir(root))))
             kill_tree(proc.pid)
             proc.wait()
+            if not os.path.exists(os.path.join(root, "latest")):
+                # killed before the first save committed (a slow machine: step 1 logged, its save
+                # still running): nothing to verify; the next start begins again from step 0,
+                # which the comparison with the straight run below checks
+                continue
             p = run_py("checkpoint.py", "verify", latest(out))
             assert p.returncode == 0, (moments, p.stderr)
         else:
