@@ -3,8 +3,10 @@ it trains, and it resumes exactly."""
 
 import json
 import os
+import random
 import signal
 import subprocess
+import time
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from conftest import PY
 from conftest import REPO
 from conftest import TORCHRUN
 from conftest import assert_same_tensors
+from conftest import kill_tree
 from conftest import latest
 from conftest import logged_steps
 from conftest import metrics
@@ -168,6 +171,41 @@ def test_sigterm_mid_ppo_saves_and_resume_is_exact(tmp_path, straight, sft_model
     run("train_ppo.py", *args, "--resume", "latest")
     assert_same_tensors(latest(straight), latest(out))
     assert metrics(straight) == metrics(out)
+
+
+def test_sigkills_mid_ppo_then_resume_is_exact(tmp_path, straight, sft_model):
+    """SIGKILL the whole tree (the vLLM engines die with their ranks) twice: at a random moment
+    after step 1, and while an asynchronous save is being written; each `--resume latest` starts
+    from the newest checkpoint that verifies, and the run ends where the straight one did."""
+    out = str(tmp_path)
+    root = os.path.join(out, "checkpoints")
+    args = ppo(out, sft_model, "--async_save", "true", "--save_every", 1, "--resume", "latest")
+    script = os.path.join(REPO, "train_ppo.py")
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", script, *map(str, args)]
+    rng = random.Random(3)
+
+    moments = []
+    for attempt in range(2):
+        stale = set(os.listdir(root)) if os.path.isdir(root) else set()
+
+        def saving():  # a committed checkpoint, and a save of this run's under way
+            names = set(os.listdir(root))
+            return "latest" in names and any(n.startswith(".tmp-") for n in names - stale)
+
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        if attempt == 0:  # two rows: step 0's evaluation and step 1; then anywhere
+            wait_for(lambda: logged_steps(out) >= 2, proc)
+            time.sleep(rng.uniform(0, 1.0))
+        else:
+            wait_for(saving, proc)
+        moments.append((attempt, logged_steps(out), sorted(os.listdir(root))))
+        kill_tree(proc.pid)
+        proc.wait()
+    p = run("train_ppo.py", *args)
+    assert "resumed from" in p.stdout + p.stderr, moments
+    assert_same_tensors(latest(straight), latest(out))
+    assert metrics(straight) == metrics(out), moments
+    assert not [n for n in os.listdir(root) if n.startswith(".tmp-")]
 
 
 def test_export_round_trip(tmp_path, straight):
