@@ -472,8 +472,10 @@ def head_only_at_last(model, n):
     over fewer positions, is rounded differently). At a real vocabulary the logits [B, T, V] are
     a forward's largest tensor (Qwen2's 151,936 entries are 0.6 MB per token in fp32), and the
     head's matmul a large share of its time; TRL's GRPOTrainer keeps only the completion's too.
-    {} for a class whose forward has no such argument (8 of transformers' 178 causal LMs,
-    Whisper's and MusicGen's among them): its head then runs everywhere."""
+    PPO keeps the response's columns; SFT and DPO those from a micro-batch's shortest prompt on
+    (right-padded rows: every response lies there). {} for a class whose forward has no such
+    argument (8 of transformers' 178 causal LMs, Whisper's and MusicGen's among them): its head
+    then runs everywhere."""
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
         return {"logits_to_keep": n}
     return {}

@@ -247,13 +247,20 @@ def pair_logprobs(model, pairs, pad_id, device):
     pair in one forward (a collective: the model is sharded), so a pair is never split."""
     sequences = [c for c, _ in pairs] + [r for _, r in pairs]
     input_ids, attention_mask, response_mask = collate(sequences, pad_id)
+    # The LM head only from the shortest prompt's last column on, where the right-padded rows'
+    # responses are predicted (as train_sft.py: micro_batch_loss; the same logprobs, tested)
+    keep = input_ids.shape[1] - min(n_prompt for _, n_prompt in sequences) + 1
     # use_cache=False: no KV cache in a training forward (cf. common.checkpoint_activations)
     logits = model(
         input_ids=input_ids.to(device),
         attention_mask=attention_mask.to(device),
         use_cache=False,
-    ).logits
-    logps = sequence_logprobs(logits, input_ids.to(device), response_mask.to(device))  # [2b]
+        **common.head_only_at_last(model, keep),
+    ).logits  # [2b, keep, V], or [2b, T, V] for a model without logits_to_keep
+    K = logits.shape[1]  # the same columns of the ids and the mask, counted from the right
+    logps = sequence_logprobs(
+        logits, input_ids[:, -K:].to(device), response_mask[:, -K:].to(device)
+    )
     return logps[: len(pairs)], logps[len(pairs) :]
 
 

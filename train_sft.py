@@ -191,6 +191,28 @@ def load_data(args, tok, max_len):
     return train, held_out[: args.eval_samples]
 
 
+def micro_batch_loss(model, micro, n_tokens, pad_id, device):
+    """sft_loss of one micro-batch [(input_ids, n_prompt)], its forward through `model`.
+
+    The LM head runs only from the shortest prompt's last column on: rows are right-padded, so
+    those columns hold every row's predictions of its response tokens (the columns before them
+    predict prompt tokens, which no loss reads). At a real vocabulary the logits [B, T, V] are a
+    forward's largest tensor (Qwen2's 151,936 entries: 0.6 MB per token in fp32); the logits kept
+    are the same numbers (`common.head_only_at_last`; tested)."""
+    input_ids, attention_mask, labels = collate(micro, pad_id)
+    keep = input_ids.shape[1] - min(n_prompt for _, n_prompt in micro) + 1
+    # use_cache=False: a training forward needs no KV cache (and a checkpointed block's
+    # recompute would append to it a second time)
+    logits = model(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        use_cache=False,
+        **common.head_only_at_last(model, keep),
+    ).logits  # [B, keep, V], or [B, T, V] for a model without logits_to_keep
+    labels = labels[:, -logits.shape[1] :]  # the same columns, counted from the right
+    return sft_loss(logits, labels.to(device), n_tokens)
+
+
 def train_step(args, model, optim, sched, mine, n_tokens, pad_id, device):
     """One optimizer step on `mine`, this rank's share ([(input_ids, n_prompt)]) of the global
     batch, with gradient accumulation over micro-batches. n_tokens: the response tokens of the
@@ -200,15 +222,7 @@ def train_step(args, model, optim, sched, mine, n_tokens, pad_id, device):
     t0 = time.time()
     for start in range(0, len(mine), args.micro_batch_size):
         micro = mine[start : start + args.micro_batch_size]
-        input_ids, attention_mask, labels = collate(micro, pad_id)
-        # use_cache=False: a training forward needs no KV cache (and a checkpointed block's
-        # recompute would append to it a second time)
-        logits = model(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            use_cache=False,
-        ).logits
-        loss = sft_loss(logits, labels.to(device), n_tokens)
+        loss = micro_batch_loss(model, micro, n_tokens, pad_id, device)
         # FSDP averages gradients over ranks; the loss is already a global token mean: undo that
         (loss * world).backward()
         loss_sum += loss.detach()

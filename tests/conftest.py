@@ -207,3 +207,33 @@ def fsynced(monkeypatch):
 
     monkeypatch.setattr(os, "fsync", fsync)
     return synced
+
+
+def tiny_llama(vocab_size):
+    """A 2-block random Llama (seed 0) in eval mode, as build_models leaves it: no dropout."""
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+class NoKeep(torch.nn.Module):
+    """A causal LM whose forward takes no `logits_to_keep` (as Whisper's decoder): its head runs
+    at every column."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask, use_cache, position_ids=None):
+        return self.inner(input_ids, attention_mask, position_ids=position_ids)

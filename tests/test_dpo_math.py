@@ -10,6 +10,8 @@ import torch
 import task
 import train_dpo
 import train_ppo
+from conftest import NoKeep
+from conftest import tiny_llama
 
 
 def flags(beta=0.5, label_smoothing=0.0, loss_type="sigmoid"):
@@ -42,6 +44,31 @@ def test_sequence_logprobs_sum_the_response_tokens_only():
     noisy = logits.clone()
     noisy[0, 4:] = 100.0
     assert torch.allclose(train_dpo.sequence_logprobs(noisy, input_ids, response_mask), got)
+
+
+def test_pair_logprobs_need_the_head_only_from_the_shortest_prompt_on():
+    """`pair_logprobs` asks for the head's logits from the shortest prompt's last column on: the
+    same logprobs as over the full [2b, T, V] logits, and from a model without
+    `logits_to_keep`."""
+    model = tiny_llama(vocab_size=300)
+    pairs = [
+        (([5, 6, 7, 8, 1, 2], 4), ([5, 6, 7, 8, 3], 4)),
+        (([9, 10, 4, 4, 2], 2), ([9, 10, 2], 2)),
+    ]
+    head_columns = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: head_columns.append(i[0].shape[1]))
+    with torch.no_grad():
+        chosen, rejected = train_dpo.pair_logprobs(model, pairs, pad_id=0, device="cpu")
+        sequences = [c for c, _ in pairs] + [r for _, r in pairs]
+        input_ids, attention_mask, response_mask = train_dpo.collate(sequences, pad_id=0)
+        full = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [4, 6, V]
+    hook.remove()
+    assert head_columns == [5, 6]  # T - 2 + 1 (the shortest prompt: 2 tokens), then T
+    want = train_dpo.sequence_logprobs(full, input_ids, response_mask)  # [4]
+    assert torch.equal(torch.cat([chosen, rejected]), want)
+    with torch.no_grad():
+        nokeep = train_dpo.pair_logprobs(NoKeep(model), pairs, pad_id=0, device="cpu")
+    assert torch.equal(torch.cat(nokeep), want)
 
 
 def test_dpo_loss_rewards_and_accuracy_by_hand():

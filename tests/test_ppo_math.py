@@ -7,6 +7,8 @@ import torch
 import torch.distributed as dist
 
 import train_ppo as ppo
+from conftest import NoKeep
+from conftest import tiny_llama
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -18,24 +20,6 @@ def one_rank_group():
 
 def t(x):
     return torch.tensor(x, dtype=torch.float)
-
-
-def tiny_llama(vocab_size):
-    """A 2-block random Llama (seed 0) in eval mode, as build_models leaves it: no dropout."""
-    from transformers import LlamaConfig
-    from transformers import LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
 
 
 def test_rewards_put_kl_on_every_token_and_the_score_on_the_last():
@@ -306,14 +290,6 @@ def test_logprobs_need_the_head_only_where_a_response_token_is_predicted():
     expected = (full[:, 4:-1].float() / 0.7).log_softmax(-1)  # columns P - 1 .. P + R - 2
     expected = expected.gather(-1, batch.input_ids[:, 5:, None])[..., 0]
     assert torch.equal(logprobs, expected)
-
-    class NoKeep(torch.nn.Module):  # a forward without the argument, as Whisper's decoder
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, input_ids, attention_mask, position_ids, use_cache):
-            return self.inner(input_ids, attention_mask, position_ids=position_ids)
 
     with torch.no_grad():
         assert torch.equal(ppo.logprobs_of(NoKeep(model), batch, temperature=0.7), expected)

@@ -16,6 +16,8 @@ import rollout
 import task
 import train_sft
 from conftest import REPO
+from conftest import NoKeep
+from conftest import tiny_llama
 from conftest import write_small_checkpoint
 
 
@@ -72,6 +74,27 @@ def test_sft_loss_by_hand():
     labels = torch.tensor([[-100, 1, 0]])  # targets for positions 0 and 1 are labels[1:]
     want = (-math.log(3 / 4) - math.log(1 / 2)) / 4  # summed over 2 tokens, divided by n_tokens=4
     assert train_sft.sft_loss(logits, labels, n_tokens=4).item() == pytest.approx(want, rel=1e-6)
+
+
+def test_sft_loss_needs_the_head_only_from_the_shortest_prompt_on():
+    """`micro_batch_loss` asks for the head's logits from the shortest prompt's last column on
+    (`common.head_only_at_last`): the same loss as sft_loss over the full [B, T, V] logits, and
+    the same from a model whose forward has no `logits_to_keep`."""
+    model = tiny_llama(vocab_size=300)
+    micro = [([5, 6, 7, 8, 9, 1, 2], 5), ([10, 11, 3, 4, 5, 2], 2), ([12, 13, 14, 6], 3)]
+    head_columns = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: head_columns.append(i[0].shape[1]))
+    with torch.no_grad():
+        loss = train_sft.micro_batch_loss(model, micro, n_tokens=9, pad_id=0, device="cpu")
+        input_ids, attention_mask, labels = train_sft.collate(micro, pad_id=0)
+        full = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [3, 7, V]
+    hook.remove()
+    assert head_columns == [6, 7]  # T - 2 + 1 (the shortest prompt: 2 tokens), then T
+    want = train_sft.sft_loss(full, labels, n_tokens=9)
+    assert torch.equal(loss, want)
+    with torch.no_grad():
+        nokeep = train_sft.micro_batch_loss(NoKeep(model), micro, 9, pad_id=0, device="cpu")
+    assert torch.equal(nokeep, want)
 
 
 def test_batch_indices_cover_each_epoch_once_and_are_pure():
