@@ -15,9 +15,10 @@ is developed on, re-recorded on 2026-11-24 after AdamW became `fused=True` (a ch
 purpose: one kernel rounds differently from the loop of element-wise ops it replaced, and both
 stages' numbers moved; README: the demo), and again the same day when PPO's logprobs began to
 ask for the LM head at the response's columns only (the head's weight gradient, a sum over fewer
-positions, rounds differently: PPO's numbers moved). Float results can differ on another CPU
-(other SIMD kernels), so record your own reference before a change rather than comparing with
-ours.
+positions, rounds differently: PPO's numbers moved), and again when SFT's loss began to ask for
+it from a micro-batch's shortest prompt on (both stages moved). Float results can differ on
+another CPU (other SIMD kernels), so record your own reference before a change rather than
+comparing with ours.
 """
 
 import hashlib
