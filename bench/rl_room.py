@@ -48,6 +48,7 @@ def answers(policy, tok, prompt_ids, k, sample):
 
 def main(policy_dir, k="16"):
     k = int(k)
+    common.quiet_console(verbose=False)  # transformers' loading bar and reports, as the stages
     torch.set_num_threads(2)
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(policy_dir)
