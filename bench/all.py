@@ -1,10 +1,11 @@
 """Every benchmark in one go, on this machine: a table of ratios, written to bench/RESULTS.md too.
 
-    .venv/bin/python bench/all.py [--peer /tmp/trlpeer] [--steps 30]  # about 15 minutes on 2 cores
+    .venv/bin/python bench/all.py [--peer /tmp/trlpeer] [--steps 30]  # about 25 minutes on 2 cores
 
 Runs, one after the other (the machine has 2 cores: never two heavy jobs at once), each under GNU
 time for its peak RSS: bench/vs_trl.py (SFT tokens/s and seconds per GRPO/PPO iteration against
-Hugging Face TRL; the TRL side in its own venv), bench/rollout_speed.py (vLLM vs HF engine) and
+Hugging Face TRL; the TRL side in its own venv; twice: the harness's model, and the same with a
+32,000-row vocabulary), bench/rollout_speed.py (vLLM vs HF engine) and
 bench/checkpoint_io.py (save/load against the raw disk; async vs blocking save stall). Each ends
 with a `BENCH {json}` line. Ratios are plainrlhf's speedup: above 1, plainrlhf is faster.
 RESULTS.md gets a new top table and raw numbers; its sections after them are kept as they are.
@@ -66,8 +67,13 @@ def main():
     p.add_argument("--peer", default="/tmp/trlpeer")
     p.add_argument("--steps", type=int, default=30)
     a = p.parse_args()
-    vs_trl = os.path.join(HERE, "vs_trl.py")
-    trl, _ = run([sys.executable, vs_trl, "--peer", a.peer, "--steps", str(a.steps)])
+    vs_trl_cmd = [sys.executable, os.path.join(HERE, "vs_trl.py"), "--peer", a.peer]
+    vs_trl_cmd += ["--steps", str(a.steps)]
+    trl, _ = run(vs_trl_cmd)
+    # The harness's model has a 16-token head; the same model with a real vocabulary's head
+    # (Llama 2's 32,000 rows) shows where each trainer computes it (bench/vs_trl.py, --vocab).
+    wide, _ = run([*vs_trl_cmd, "--vocab", "32000"])
+    trl["vs_trl"] += wide["vs_trl"]
     roll, roll_rss = run([sys.executable, os.path.join(HERE, "rollout_speed.py")])
     checkpoint_io = os.path.join(HERE, "checkpoint_io.py")
     ck, ck_rss = run([TORCHRUN, "--standalone", "--nproc_per_node=2", checkpoint_io])
@@ -83,10 +89,15 @@ def write(raw):
     def num(x):
         return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
+    def vs_trl_label(r):
+        if r["size"] == "tiny":
+            return r["row"]
+        return f"{r['row']}, {r['size']}"
+
     ck = raw["checkpoint"]
     rows = [
         (
-            r["row"],
+            vs_trl_label(r),
             num(r["trl"]),
             num(r["ours"]),
             f"**{r['ratio']:.2f}**",

@@ -2,6 +2,7 @@
 same task, model and batches.
 
     .venv/bin/python bench/vs_trl.py [--peer /tmp/trlpeer] [--steps 30] [--size tiny|34M]
+                                     [--vocab 32000]
 
 The TRL side is the harness in ../shared/peers/trl (its own venv, made by its setup_venv.sh if
 missing; plainrlhf does not depend on TRL). It builds a random-init 4x256 Llama with a character
@@ -17,6 +18,12 @@ process with 1 thread (rollouts by vLLM), and on 2 ranks for reference. Medians 
 after the first. At beta 0 neither computes reference logprobs (`--kl_coef 0` loads no reference).
 Peak RSS: GNU time's maximum resident set size of the largest process. Ends with a
 `BENCH {json}` line.
+
+`--vocab N` gives the harness's model an embedding and LM head of N rows (Llama 2's 32,000, say)
+before either side trains it; the character tokenizer keeps its 16 tokens, so the other rows are
+never fed in, as a real model's spare rows are not (Qwen2's 151,936 for 151,665 tokens). The
+harness's own model has a 16-row head, which costs nothing; at a real vocabulary the head is a
+large share of a small model's work, and where each trainer computes it then shows.
 """
 
 import argparse
@@ -27,6 +34,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
@@ -54,6 +63,18 @@ def rss_run(cmd, env):
         )
         found = re.search(r"Maximum resident set size \(kbytes\): (\d+)", t.read())
         return int(found.group(1)) / 1024
+
+
+def widen_vocab(model_dir, vocab):
+    """Resize the harness's initial model to `vocab` rows of embedding and LM head, in place. The
+    new rows are initialised as the model initialises its weights (not transformers' default mean
+    of the old rows, which would make every spare token as likely as an average real one)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)  # the same widened model on every run
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.resize_token_embeddings(vocab, mean_resizing=False)
+    model.save_pretrained(model_dir)
 
 
 def ours_sft(work, steps, batch):
@@ -122,10 +143,16 @@ def main():
     p.add_argument("--steps", type=int, default=30, help="RL iterations on each side")
     p.add_argument("--sft_steps", type=int, default=200, help="SFT steps of 32 on each side")
     p.add_argument("--size", default="tiny", choices=list(SIZES))
+    p.add_argument("--vocab", type=int, default=0, help="LM head rows (0: the harness's 16)")
     a = p.parse_args()
+    common.quiet_console(verbose=False)  # transformers' loading bar (widen_vocab)
     if not os.path.exists(os.path.join(a.peer, "venv", "bin", "python")):
         subprocess.run(["bash", os.path.join(HARNESS, "setup_venv.sh"), a.peer], check=True)
+    size = a.size
     work = os.path.join(a.peer, f"run-{a.size}")
+    if a.vocab:
+        size = f"{a.size}, vocab {a.vocab}"
+        work = os.path.join(a.peer, f"run-{a.size}-vocab{a.vocab}")
     env = {
         **os.environ,
         **SIZES[a.size],
@@ -139,7 +166,13 @@ def main():
         "RL_MAX_NEW": "8",
     }
     cmd = ["bash", os.path.join(HARNESS, "run.sh"), work]
-    trl = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    # make the model and data first, so that --vocab can widen the model both sides start from
+    made = {**env, "STAGES": "make"}
+    subprocess.run(cmd, env=made, capture_output=True, text=True, check=True)
+    if a.vocab:
+        widen_vocab(os.path.join(work, "model_init"), a.vocab)
+    trained = {**env, "STAGES": "sft grpo ppo"}
+    trl = subprocess.run(cmd, env=trained, capture_output=True, text=True, check=True).stdout
 
     def median(stage):
         return float(re.search(rf"RESULT {stage}:.*?\(median ([0-9.]+)\)", trl).group(1))
@@ -190,7 +223,7 @@ def main():
         }
         results.append(row)
     for row in results:
-        row["size"] = a.size
+        row["size"] = size
     print("BENCH " + json.dumps({"vs_trl": results}))
 
 
