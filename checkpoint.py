@@ -802,6 +802,12 @@ def save(out_dir, step, roles, meta, hf_objs, keep_last, async_save=False, on_er
     generation config) go to hf/. async_save: a thread writes a copy of the state while training
     goes on, and boundary() commits it later. Returns the committed path (None while in flight)."""
     commit()  # one save in flight at a time
+    # DCP writes each tensor with torch.save, which adds a zip CRC32 of every record: a second
+    # pass over bytes the manifest's sha256 already covers (`_hash_own_files`; a resume and an
+    # export verify every file before they load one). Off for this process, whose only
+    # torch.save calls are DCP's: torch.load reads such records (an unzip tool would warn).
+    # ~10% of a save and of a load (bench/RESULTS.md, "Checkpoint I/O").
+    torch.serialization.set_crc32_options(False)
     root = os.path.join(out_dir, "checkpoints")
     name = f"step-{step:08d}"
     tmp = _tmp_path(root, name)

@@ -73,6 +73,9 @@ def widen_vocab(model_dir, vocab):
 
     torch.manual_seed(0)  # the same widened model on every run
     model = AutoModelForCausalLM.from_pretrained(model_dir)
+    rows = model.config.vocab_size
+    if vocab < rows:
+        raise SystemExit(f"--vocab {vocab}: the harness's model has {rows} rows; ask for more")
     model.resize_token_embeddings(vocab, mean_resizing=False)
     model.save_pretrained(model_dir)
 
