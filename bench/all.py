@@ -1,6 +1,6 @@
 """Every benchmark in one go, on this machine: a table of ratios, written to bench/RESULTS.md too.
 
-    .venv/bin/python bench/all.py [--peer /tmp/trlpeer] [--steps 30]  # about 25 minutes on 2 cores
+    .venv/bin/python bench/all.py [--peer /tmp/trlpeer] [--steps 30]  # 16-20 minutes, 2 cores
 
 Runs, one after the other (the machine has 2 cores: never two heavy jobs at once), each under GNU
 time for its peak RSS: bench/vs_trl.py (SFT tokens/s and seconds per GRPO/PPO iteration against
