@@ -82,6 +82,9 @@ class Args:
     """actor learning rate (AdamW, eps 1e-5 [N general #5], linear decay to 0)"""
     critic_lr: float = 1e-3
     """critic learning rate"""
+    warmup_steps: int = 0
+    """iterations over which both learning rates rise linearly from 0 before their decay: a fresh
+    AdamW's first steps move every weight by about the learning rate, whatever its gradient"""
     max_grad_norm: float = 1.0
     """clip each model's global gradient norm to this"""
     advantage_estimator: typing.Literal["gae", "grpo", "rloo"] = "gae"
@@ -184,6 +187,7 @@ LIMITS = {
     "ppo_epochs": ">= 1",
     "lr": ">= 0",
     "critic_lr": ">= 0",
+    "warmup_steps": ">= 0",
     "max_grad_norm": "> 0",
     "gamma": ">= 0, <= 1",
     "lam": ">= 0, <= 1",
@@ -1026,7 +1030,7 @@ def main(args):
     models, tok, roles = build_models(args, device)
     scheds = {}
     for name, (_, optim) in roles.items():
-        scheds[name] = get_linear_schedule_with_warmup(optim, 0, args.max_steps)
+        scheds[name] = get_linear_schedule_with_warmup(optim, args.warmup_steps, args.max_steps)
     train, held_out = load_data(args, tok, models.actor.config.max_position_embeddings)
 
     # The engine before the checkpoint: vLLM seeds the global RNGs while it starts.
