@@ -1197,6 +1197,20 @@ def restore_scheduler(sched, state, where):
         if not _same_kind(state[key], value):
             raise CheckpointError(f"{where}: scheduler field {key!r} is {state[key]!r}")
     sched.load_state_dict(state)
+    follow_this_runs_lr(sched, own["base_lrs"])
+
+
+def follow_this_runs_lr(sched, base_lrs):
+    """The schedule's position comes from the checkpoint, its peak learning rates from this run's
+    flags (as its shape does: the lambdas are this run's, built from --warmup_steps, --max_steps).
+    Without this a resumed --lr would be ignored: load_state_dict restores the saved run's
+    base_lrs, and the optimizer's restored param groups hold the saved run's rate. The same --lr
+    gives the same numbers bit for bit: the rate set here is the one the scheduler set last."""
+    sched.base_lrs = list(base_lrs)
+    for group, base, lr_lambda in zip(sched.optimizer.param_groups, base_lrs, sched.lr_lambdas):
+        group["initial_lr"] = base
+        group["lr"] = base * lr_lambda(sched.last_epoch)
+    sched._last_lr = [group["lr"] for group in sched.optimizer.param_groups]  # get_last_lr()
 
 
 def _same_kind(value, like):

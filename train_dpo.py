@@ -351,7 +351,7 @@ def main(args):
         must_match = ["model", "data", "seed", "train_batch_size", "micro_batch_size"]
         must_match += ["beta", "label_smoothing", "loss_type"]
         meta = checkpoint.load(final, roles, vars(args), must_match)
-        sched.load_state_dict(meta["scheduler"])
+        checkpoint.restore_scheduler(sched, meta.get("scheduler"), f"{final}/meta.json")
         start = meta["step"]
         metrics_log.truncate(start)
         common.print0(f"resumed from {final} at step {start}")

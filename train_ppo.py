@@ -103,7 +103,7 @@ class Args:
     no reference model is loaded or run"""
     target_kl: float = 0.0
     """> 0: adaptive KL controller aiming at this KL per response, horizon 10k responses; 0: fixed
-    beta"""
+    beta. The controller scales beta by a factor, so from --kl_coef 0 it stays 0"""
     missing_eos_penalty: float = 1.0
     """subtracted from the score of a response cut at max_new_tokens without EOS [N policy #5]"""
     whiten_rewards: bool = False
@@ -192,7 +192,7 @@ LIMITS = {
     "gamma": ">= 0, <= 1",
     "lam": ">= 0, <= 1",
     "cliprange": "> 0",
-    "cliprange_value": "> 0",
+    "cliprange_value": ">= 0",  # 0: no value clipping
     "kl_coef": ">= 0",
     "target_kl": ">= 0",
     "missing_eos_penalty": ">= 0",
@@ -987,7 +987,6 @@ def write_samples(out_dir, step, prompts, raw_scores, gen, tok, n):
             f.write(json.dumps(row) + "\n")
 
 
-# Settings a resumed run must share with its checkpoint (others, like --lr, may change).
 def restore_schedules(meta, scheds, where):
     """The learning-rate schedulers' states and the KL coefficient from a checkpoint's meta.json,
     checked: a crafted one gets one line, not a traceback from deep in the scheduler. Returns
@@ -1004,6 +1003,7 @@ def restore_schedules(meta, scheds, where):
     return float(kl_coef)
 
 
+# Settings a resumed run must share with its checkpoint (others, like --lr, may change).
 MUST_MATCH = [
     "model",
     "data",

@@ -385,7 +385,7 @@ def main(args):
     if final:  # the RNG is restored last, inside load: nothing may draw from it before step 1
         must_match = ["model", "data", "seed", "train_batch_size", "micro_batch_size", "margin"]
         meta = checkpoint.load(final, roles, vars(args), must_match)
-        sched.load_state_dict(meta["scheduler"])
+        checkpoint.restore_scheduler(sched, meta.get("scheduler"), f"{final}/meta.json")
         start = meta["step"]
         metrics_log.truncate(start)
         common.print0(f"resumed from {final} at step {start}")

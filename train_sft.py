@@ -287,7 +287,7 @@ def main(args):
     if final:  # the RNG is restored last, inside load: nothing may draw from it before step 1
         must_match = ["model", "data", "seed", "train_batch_size", "micro_batch_size"]
         meta = checkpoint.load(final, roles, vars(args), must_match)
-        checkpoint.restore_scheduler(sched, meta["scheduler"], f"{final}/meta.json")
+        checkpoint.restore_scheduler(sched, meta.get("scheduler"), f"{final}/meta.json")
         start = meta["step"]
         common.print0(f"resumed from {final} at step {start}")
     # the rows a killed run logged after the checkpoint go (all of them on a fresh start)

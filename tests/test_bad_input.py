@@ -154,6 +154,8 @@ def test_ppo_batch_sizes(tmp_path):
         ("train_ppo.py", "--gamma", 1.5, "expected a number >= 0, <= 1"),
         ("train_ppo.py", "--micro_batch_size", -2, "expected a number >= 1"),
         ("train_ppo.py", "--advantage_estimator", "ppo", "invalid choice: 'ppo'"),
+        ("train_ppo.py", "--warmup_steps", -1, "expected a number >= 0"),
+        ("train_ppo.py", "--cliprange_value", -0.2, "expected a number >= 0"),
     ],
 )
 def test_flags_out_of_range(tmp_path, monkeypatch, capsys, script, flag, value, needle):
@@ -172,6 +174,19 @@ def test_flags_out_of_range(tmp_path, monkeypatch, capsys, script, flag, value, 
     stderr = capsys.readouterr().err
     assert stderr.count("\n") == 1 and stderr.startswith("error:"), stderr  # no usage block
     assert flag in stderr and needle in stderr, stderr
+
+
+def test_the_documented_off_values_are_accepted(tmp_path, monkeypatch):
+    """A flag whose help names 0 as "off" takes 0: --cliprange_value 0 (no value clipping) was
+    refused by a limit of > 0, so value_loss's unclipped branch could not be reached."""
+    import common
+    import train_ppo
+
+    parsed = []
+    argv = ["train_ppo.py", "--out_dir", str(tmp_path), "--cliprange_value", "0"]
+    monkeypatch.setattr("sys.argv", argv + ["--target_kl", "0", "--warmup_steps", "0"])
+    common.run(parsed.append, train_ppo.Args, train_ppo.LIMITS)
+    assert parsed[0].cliprange_value == 0 and parsed[0].target_kl == 0
 
 
 @pytest.mark.parametrize(

@@ -176,11 +176,11 @@ def test_storage_ranges_beyond_the_file_are_refused(tmp_path, changes):
         load_t(folder)
 
 
-def scheduler():
+def scheduler(lr=1e-3):
     import torch
     from transformers import get_cosine_schedule_with_warmup
 
-    optim = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    optim = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=lr)
     return get_cosine_schedule_with_warmup(optim, 3, 10)
 
 
@@ -216,6 +216,29 @@ def test_a_saved_scheduler_state_is_restored():
     checkpoint.restore_scheduler(fresh, state, "ckpt/meta.json")
     assert fresh.state_dict() == sched.state_dict()
     assert fresh.get_last_lr() == sched.get_last_lr()
+    assert fresh.optimizer.param_groups[0]["lr"] == sched.optimizer.param_groups[0]["lr"]
+
+
+def test_a_resumed_schedule_follows_this_runs_lr():
+    """The schedule's position comes from the checkpoint, its peak rate from this run's --lr.
+    load_state_dict alone restored the saved run's base_lrs (and a resume restores the optimizer's
+    param groups with the saved rate): a resumed run given another --lr went on at the old one."""
+    saved = scheduler(lr=1e-3)
+    for _ in range(4):
+        saved.optimizer.step()
+        saved.step()
+    state = json.loads(json.dumps(saved.state_dict()))
+    fresh = scheduler(lr=5e-4)
+    fresh.optimizer.load_state_dict(saved.optimizer.state_dict())  # as checkpoint.load does
+    checkpoint.restore_scheduler(fresh, state, "ckpt/meta.json")
+    assert fresh.last_epoch == 4 and fresh.base_lrs == [5e-4]
+    # half the rate at the same point of the schedule (halving a float is exact)
+    assert fresh.optimizer.param_groups[0]["lr"] == saved.get_last_lr()[0] / 2
+    assert fresh.get_last_lr() == [saved.get_last_lr()[0] / 2]
+    for sched in (saved, fresh):
+        sched.optimizer.step()
+        sched.step()
+    assert fresh.get_last_lr() == [saved.get_last_lr()[0] / 2]
 
 
 @pytest.mark.parametrize("kl_coef", ["0.1", -1.0, float("inf"), True, None])
