@@ -83,8 +83,9 @@ class Args:
     critic_lr: float = 1e-3
     """critic learning rate"""
     warmup_steps: int = 0
-    """iterations over which both learning rates rise linearly from 0 before their decay: a fresh
-    AdamW's first steps move every weight by about the learning rate, whatever its gradient"""
+    """iterations over which both learning rates rise linearly from 0 before their decay (the
+    first iteration's rate is 0: it only fills AdamW's moments); a fresh AdamW's first steps move
+    every weight by about the learning rate, whatever its gradient"""
     max_grad_norm: float = 1.0
     """clip each model's global gradient norm to this"""
     advantage_estimator: typing.Literal["gae", "grpo", "rloo"] = "gae"
