@@ -353,9 +353,10 @@ def main(args):
         meta = checkpoint.load(final, roles, vars(args), must_match)
         checkpoint.restore_scheduler(sched, meta.get("scheduler"), f"{final}/meta.json")
         start = meta["step"]
-        metrics_log.truncate(start)
         common.print0(f"resumed from {final} at step {start}")
-    elif held_out:
+    # the rows a killed run logged after the checkpoint go (all of them on a fresh start)
+    metrics_log.truncate(start if final else None)
+    if held_out and not final:
         # step 0: the starting policy's accuracy, what DPO must not lose (greedy: no RNG drawn)
         accuracy = common.greedy_accuracy(model, tok, held_out, stop_ids, device)
         metrics_log.log({"eval/accuracy": accuracy}, 0)

@@ -383,12 +383,15 @@ def main(args):
     start = 0
     final = checkpoint.resolve(args.out_dir, args.resume)
     if final:  # the RNG is restored last, inside load: nothing may draw from it before step 1
+        # --pairs_per_prompt makes the embedded training set (its size orders the batches)
         must_match = ["model", "data", "seed", "train_batch_size", "micro_batch_size", "margin"]
+        must_match += ["pairs_per_prompt"]
         meta = checkpoint.load(final, roles, vars(args), must_match)
         checkpoint.restore_scheduler(sched, meta.get("scheduler"), f"{final}/meta.json")
         start = meta["step"]
-        metrics_log.truncate(start)
         common.print0(f"resumed from {final} at step {start}")
+    # the rows a killed run logged after the checkpoint go (all of them on a fresh start)
+    metrics_log.truncate(start if final else None)
 
     step = start
     pbar = tqdm(total=args.max_steps, initial=start, disable=rank != 0, desc="rm")

@@ -2,6 +2,7 @@
 those sums' pairs: the first loss is log 2, it resumes exactly, its greedy accuracy does not fall,
 and its export loads in plain transformers and vLLM."""
 
+import json
 import math
 import os
 
@@ -68,7 +69,12 @@ def test_dpo_logs_its_metrics_and_learns(straight):
 
 def test_dpo_resume_is_bitwise_exact(tmp_path, straight, memorised_sft):
     out = str(tmp_path)
-    run("train_dpo.py", *dpo(out, memorised_sft, "--stop_at_step", 4))
+    # a run killed before its first save left rows (the last cut short): the fresh start drops
+    # them before its step-0 evaluation (it kept them, and appended)
+    rows = "".join(json.dumps({"step": s, "train/loss": 99.0}) + "\n" for s in (0, 1))
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.write(rows + '{"step": 2, "train/lo')
+    run("train_dpo.py", *dpo(out, memorised_sft, "--stop_at_step", 4, "--resume", "latest"))
     assert latest(out).endswith("step-00000004") and not os.path.exists(os.path.join(out, "hf"))
     p = run("train_dpo.py", *dpo(out, memorised_sft, "--resume", "latest"))
     assert "at step 4" in p.stdout + p.stderr

@@ -35,10 +35,21 @@ def straight(tmp_path_factory):
     return out
 
 
+def dead_rows(out):
+    """What a run killed before its first save leaves: its rows, the last one cut short."""
+    rows = "".join(json.dumps({"step": s, "train/loss": 99.0}) + "\n" for s in (1, 2))
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.write(rows + '{"step": 3, "train/lo')
+
+
 def test_rm_resume_is_bitwise_exact(tmp_path, straight):
     out = str(tmp_path)
-    run("train_rm.py", *rm(out, "--stop_at_step", 4))
+    dead_rows(out)  # the fresh start below drops them (it kept them, and appended)
+    run("train_rm.py", *rm(out, "--stop_at_step", 4, "--resume", "latest"))
     assert latest(out).endswith("step-00000004") and not os.path.exists(os.path.join(out, "hf"))
+    # --pairs_per_prompt makes the embedded training set, hence the batches: it must match
+    p = run("train_rm.py", *rm(out, "--resume", "latest", "--pairs_per_prompt", 2), check=False)
+    assert p.returncode != 0 and "--pairs_per_prompt 1 -> 2" in p.stderr
     p = run("train_rm.py", *rm(out, "--resume", "latest"))
     assert "at step 4" in p.stdout + p.stderr
     assert_same_tensors(latest(straight), latest(out))  # weights and optimizer state
