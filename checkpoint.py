@@ -26,6 +26,7 @@ import base64
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import io
 import json
@@ -820,25 +821,15 @@ def save(out_dir, step, roles, meta, hf_objs, keep_last, async_save=False, on_er
     if objstore.is_url(tmp) and not _clear_step(tmp, name, on_error):
         return None
 
-    def write():
-        # DCP raises on every rank when it fails on one; the small files can fail on one rank only
-        if not objstore.is_url(tmp):
-            os.makedirs(tmp, exist_ok=True)  # every rank: a shared file system, or one per node
-        if os.path.islink(tmp):  # the name is this run's own: nothing else may sit there
-            raise CheckpointError(f"{tmp}: a symlink; refusing to write through it")
-        state = _state(roles)
-        writer = dcp.FileSystemWriter(os.path.join(tmp, "dcp"))
-        if objstore.is_url(tmp):
-            writer = FsspecWriter(os.path.join(tmp, "dcp"))
-        if async_save:
-            future.append(
-                dcp.async_save(state, storage_writer=writer, process_group=_async_group[0])
-            )
-        else:
-            dcp.save(state, storage_writer=writer)
-        _write_small_files(tmp, step, roles, meta, hf_objs)
-
-    if not _agree(write, tmp, name, on_error):
+    # What can fail on one rank only is agreed on before DCP starts: a rank failing after it
+    # would leave the others in DCP's collectives, or an async save's thread writing into a temp
+    # dir that the failure removes. DCP raises on every rank when it fails on one (an async
+    # save: when it is committed).
+    prepare = functools.partial(_prepare, tmp, step, roles, meta, hf_objs)
+    start = functools.partial(_start_dcp, tmp, roles, async_save, future)
+    if not _agree(prepare, tmp, name, on_error):
+        return None
+    if not _agree(start, tmp, name, on_error):
         return None
     pending_future = None
     if async_save:
@@ -847,6 +838,27 @@ def save(out_dir, step, roles, meta, hf_objs, keep_last, async_save=False, on_er
     if async_save:
         return None
     return commit()
+
+
+def _prepare(tmp, step, roles, meta, hf_objs):
+    """A save's temp dir and its small files (RNG, meta.json, hf/) on this rank."""
+    if not objstore.is_url(tmp):
+        os.makedirs(tmp, exist_ok=True)  # every rank: a shared file system, or one per node
+    if os.path.islink(tmp):  # the name is this run's own: nothing else may sit there
+        raise CheckpointError(f"{tmp}: a symlink; refusing to write through it")
+    _write_small_files(tmp, step, roles, meta, hf_objs)
+
+
+def _start_dcp(tmp, roles, async_save, future):
+    """DCP's save of every role's state into tmp/dcp; async: started, its future in `future`."""
+    state = _state(roles)
+    writer = dcp.FileSystemWriter(os.path.join(tmp, "dcp"))
+    if objstore.is_url(tmp):
+        writer = FsspecWriter(os.path.join(tmp, "dcp"))
+    if async_save:
+        future.append(dcp.async_save(state, storage_writer=writer, process_group=_async_group[0]))
+    else:
+        dcp.save(state, storage_writer=writer)
 
 
 def _tmp_path(root, name):
