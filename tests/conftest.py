@@ -117,6 +117,15 @@ def assert_same_tensors(a, b):
     assert not bad, f"{len(bad)} tensors differ, e.g. {bad[:3]}"
 
 
+def write_dead_rows(out_dir, steps):
+    """metrics.jsonl as a run killed before its first save leaves it: a row for each of `steps`,
+    then one cut short by the kill. Returns the whole rows' text."""
+    rows = "".join(json.dumps({"step": s, "train/loss": 99.0}) + "\n" for s in steps)
+    with open(os.path.join(out_dir, "metrics.jsonl"), "w") as f:
+        f.write(rows + f'{{"step": {steps[-1] + 1}, "train/lo')
+    return rows
+
+
 def metrics(out_dir, drop=("time/",)):
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
     return [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows]

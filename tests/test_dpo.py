@@ -2,7 +2,6 @@
 those sums' pairs: the first loss is log 2, it resumes exactly, its greedy accuracy does not fall,
 and its export loads in plain transformers and vLLM."""
 
-import json
 import math
 import os
 
@@ -15,6 +14,7 @@ from conftest import latest
 from conftest import metrics
 from conftest import run
 from conftest import run_py
+from conftest import write_dead_rows
 
 pytestmark = pytest.mark.slow
 
@@ -71,9 +71,7 @@ def test_dpo_resume_is_bitwise_exact(tmp_path, straight, memorised_sft):
     out = str(tmp_path)
     # a run killed before its first save left rows (the last cut short): the fresh start drops
     # them before its step-0 evaluation (it kept them, and appended)
-    rows = "".join(json.dumps({"step": s, "train/loss": 99.0}) + "\n" for s in (0, 1))
-    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
-        f.write(rows + '{"step": 2, "train/lo')
+    write_dead_rows(out, (0, 1))
     run("train_dpo.py", *dpo(out, memorised_sft, "--stop_at_step", 4, "--resume", "latest"))
     assert latest(out).endswith("step-00000004") and not os.path.exists(os.path.join(out, "hf"))
     p = run("train_dpo.py", *dpo(out, memorised_sft, "--resume", "latest"))

@@ -14,6 +14,7 @@ from conftest import assert_same_tensors
 from conftest import latest
 from conftest import metrics
 from conftest import run
+from conftest import write_dead_rows
 
 pytestmark = pytest.mark.slow
 
@@ -35,16 +36,9 @@ def straight(tmp_path_factory):
     return out
 
 
-def dead_rows(out):
-    """What a run killed before its first save leaves: its rows, the last one cut short."""
-    rows = "".join(json.dumps({"step": s, "train/loss": 99.0}) + "\n" for s in (1, 2))
-    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
-        f.write(rows + '{"step": 3, "train/lo')
-
-
 def test_rm_resume_is_bitwise_exact(tmp_path, straight):
     out = str(tmp_path)
-    dead_rows(out)  # the fresh start below drops them (it kept them, and appended)
+    write_dead_rows(out, (1, 2))  # the fresh start below drops them (it kept them, and appended)
     run("train_rm.py", *rm(out, "--stop_at_step", 4, "--resume", "latest"))
     assert latest(out).endswith("step-00000004") and not os.path.exists(os.path.join(out, "hf"))
     # --pairs_per_prompt makes the embedded training set, hence the batches: it must match

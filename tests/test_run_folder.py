@@ -26,6 +26,7 @@ from conftest import run
 from conftest import run_py
 from conftest import wait_for
 from conftest import workers
+from conftest import write_dead_rows
 
 pytestmark = pytest.mark.slow
 
@@ -268,8 +269,7 @@ def test_a_run_killed_before_its_first_save_leaves_no_rows(tmp_path, addition_js
     """A dead run's rows (no checkpoint committed) are gone when the next run starts over."""
     out = tmp_path / "run"
     out.mkdir()
-    dead = "".join(json.dumps({"step": s, "train/loss": 99.0}) + "\n" for s in (1, 2))
-    (out / "metrics.jsonl").write_text(dead + '{"step": 3, "train/lo')  # cut by the kill
+    dead = write_dead_rows(out, (1, 2))
     (out / "samples.jsonl").write_text(dead)
     run("train_sft.py", *sft(str(out), addition_jsonl, "--resume", "latest", "--max_steps", 2))
     rows = metrics(str(out))
