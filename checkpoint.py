@@ -130,12 +130,24 @@ def _check_build(obj, state):
         )
 
 
+def _unpickle_metadata(f, where):
+    """DCP's .metadata through _SafeUnpickler. A pickle cut short, empty or garbled fails inside
+    the unpickler in many ways (UnpicklingError, EOFError, KeyError, TypeError, IndexError on an
+    empty stack, RecursionError): each is one CheckpointError line, a damaged checkpoint."""
+    try:
+        return _SafeUnpickler(f).load()
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{where}: malformed DCP metadata ({type(e).__name__}: {e})")
+
+
 class _SafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args, **kwargs):  # FileSystemReader's own is a plain pickle.load
         if getattr(self, "metadata", None) is None:  # read once: dcp_load reads it first
             path = os.path.join(self.path, ".metadata")
             with open_regular(path, "rb") as f:
-                metadata = _SafeUnpickler(f).load()
+                metadata = _unpickle_metadata(f, path)
             _check_storage(metadata, self.path)
             self.metadata = metadata
         return self.metadata
@@ -209,7 +221,7 @@ class _SafeStoreReader(FsspecReader):
             if ".metadata" not in self.sizes:
                 raise CheckpointError(f"{where}: not listed in the manifest")
             data = _store_call(objstore.read_bytes, where, self.sizes[".metadata"])
-            metadata = _SafeUnpickler(io.BytesIO(data)).load()
+            metadata = _unpickle_metadata(io.BytesIO(data), where)
             _check_storage(metadata, self.path, self.sizes)
             self.metadata = metadata
         return self.metadata
@@ -436,7 +448,7 @@ def _step_dirs(root):
     if objstore.is_url(root):
         names = _store_call(objstore.step_names, root)
     elif os.path.isdir(root):
-        names = [n for n in os.listdir(root) if n.startswith("step-") and n[5:].isdigit()]
+        names = [n for n in os.listdir(root) if objstore.is_step_name(n)]
     names.sort(key=_step_of, reverse=True)
     return names, _read_latest(root)
 
@@ -458,7 +470,7 @@ def _read_latest(root):
 
 
 def _step_name_or_none(name):
-    if name.startswith("step-") and name[5:].isdigit():
+    if objstore.is_step_name(name):
         return name
     return None
 
@@ -478,7 +490,22 @@ def verify(path):
     for rel, want in manifest["files"].items():
         _check_file(os.path.join(path, rel), want, rel in entries)
     read_meta(path, manifest["step"])
+    _check_dcp_metadata(path)
     return manifest
+
+
+def _check_dcp_metadata(path):
+    """verify()'s last check: dcp/.metadata unpickles (safely) and every storage entry in it
+    reads inside the checkpoint, as dcp_load will require; so `--resume latest` passes over a
+    checkpoint whose metadata is damaged, as over any other damaged file."""
+    reader = _SafeReader(os.path.join(path, "dcp"))
+    if objstore.is_url(path):
+        reader = _SafeStoreReader(os.path.join(path, "dcp"), _dcp_sizes(path))
+    try:
+        reader.read_metadata()
+    except OSError as e:  # (the manifest listed it, or it is not there: a checkpoint has one)
+        where = os.path.join(path, "dcp", ".metadata")
+        raise CheckpointError(f"{where}: missing or unreadable ({e.strerror})")
 
 
 def _verify_layout(path):
@@ -571,11 +598,15 @@ def _layout_or_error(path):
 
 
 def _meta_error(path, step):
-    """Rank 0: verify()'s last check, meta.json and the RNG files; its line, or None."""
+    """Rank 0: verify()'s last checks, meta.json, the RNG files and DCP's metadata; its line, or
+    None."""
     try:
         read_meta(path, step)
+        _check_dcp_metadata(path)
     except CheckpointError as e:
         return str(e)
+    except OSError as e:
+        return f"{path}: {e.strerror}: {e.filename}"
     return None
 
 
@@ -614,6 +645,7 @@ def _verify_store(path):
         if size != want["size"] or digest != want["sha256"]:
             raise CheckpointError(f"{where}: checksum mismatch")
     read_meta(path, manifest["step"])
+    _check_dcp_metadata(path)
     return manifest
 
 
@@ -623,13 +655,13 @@ def _read_json(path):
         # on a store: at most SMALL_CAP bytes (meta.json, RNG files: listed in a verified manifest)
         try:
             return json.loads(_store_call(objstore.read_bytes, path, objstore.SMALL_CAP))
-        except ValueError as e:
-            raise CheckpointError(f"{path}: malformed, not JSON ({e})")
+        except (ValueError, RecursionError) as e:
+            raise CheckpointError(f"{path}: malformed, not JSON ({type(e).__name__}: {e})")
     with open_regular(path) as f:
         try:
             return json.load(f)
-        except ValueError as e:  # UnicodeDecodeError too
-            raise CheckpointError(f"{path}: malformed, not JSON ({e})")
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError too; [[[[... nested deep
+            raise CheckpointError(f"{path}: malformed, not JSON ({type(e).__name__}: {e})")
 
 
 def _check_manifest(manifest, where):
@@ -957,6 +989,7 @@ def _publish(tmp, final, root, name, step, hashed):
     _remove_entry(final)  # a save of this step by a run resumed from before it
     os.rename(tmp, final)
     _durable(root)  # the rename is on disk before `latest` may point at it
+    _durable(os.path.dirname(root))  # and checkpoints/ itself, after the run's first save
     # a killed run's latest.tmp: removed (a symlink itself, not its target), never written through
     _remove_entry(os.path.join(root, "latest.tmp"))
     _durable(os.path.join(root, "latest.tmp"), name + "\n")
@@ -986,7 +1019,7 @@ def _prune(root, step, keep_last):
         return
     try:
         names, _ = _step_dirs(root)
-    except CheckpointError as e:  # a store out of reach: rank 0 alone must not fail here
+    except (CheckpointError, OSError) as e:  # out of reach: rank 0 alone must not fail here
         print(f"WARNING: pruning old checkpoints skipped ({e}); the next save retries", flush=True)
         return
     older = [n for n in names if _step_of(n) < step]  # newest first

@@ -166,7 +166,13 @@ def step_names(root):
     except FileNotFoundError:
         return []
     names = [os.path.basename(e.rstrip("/")) for e in entries]
-    return [n for n in names if n.startswith("step-") and n[5:].isdigit()]
+    return [n for n in names if is_step_name(n)]
+
+
+def is_step_name(name):
+    """step-N, N in ASCII digits: str.isdigit() takes '²' or '①' too, which int() refuses."""
+    digits = name[len("step-") :]
+    return name.startswith("step-") and digits.isascii() and digits.isdigit()
 
 
 @_translated

@@ -144,8 +144,9 @@ def rewrite_manifest(ckpt):
 
 
 def write_small_checkpoint(path):
-    """A checkpoint's files but the DCP state: meta.json, one rank's RNG file, a.bin, sub/b.bin,
-    and the manifest of them."""
+    """A checkpoint's files: meta.json, one rank's RNG file, a.bin, sub/b.bin, a DCP save of one
+    tensor in dcp/ (verify() reads its .metadata), and the manifest of them."""
+    dcp.save({"t": torch.arange(4.0)}, checkpoint_id=str(path / "dcp"), no_dist=True)
     meta = {"format_version": 1, "step": 1, "world_size": 1, "roles": ["model"], "args": {}}
     (path / "meta.json").write_text(json.dumps(meta))
     (path / "rng-rank0.json").write_text(json.dumps(checkpoint.rng_state()))

@@ -253,3 +253,47 @@ def test_a_crafted_kl_coef_is_refused(kl_coef):
     with pytest.raises(checkpoint.CheckpointError, match="scheduler states"):
         train_ppo.restore_schedules({**meta, "scheduler": {}}, scheds, "ckpt/meta.json")
     assert train_ppo.restore_schedules({**meta, "kl_coef": 0.05}, scheds, "ckpt/meta.json") == 0.05
+
+
+def remanifest(path):
+    """After an edit: the manifest rewritten to match, as an attacker would."""
+    os.unlink(path / "manifest.json")
+    files = checkpoint._manifest_files(str(path))
+    (path / "manifest.json").write_text(json.dumps({"step": 1, "files": files}))
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", "half", b"\x80\x04b.", b"garbage bytes"],
+    ids=["empty", "cut", "build-on-empty-stack", "garbage"],
+)
+def test_a_malformed_dcp_metadata_is_one_line_and_fails_verification(tmp_path, data):
+    """The safe unpickler raised pickle's own errors (EOFError, IndexError, ...) as tracebacks,
+    and verify() never read .metadata, so `--resume latest` did not pass over the checkpoint."""
+    write_small_checkpoint(tmp_path)
+    metadata = tmp_path / "dcp" / ".metadata"
+    if data == "half":
+        data = metadata.read_bytes()[: metadata.stat().st_size // 2]
+    metadata.write_bytes(data)
+    remanifest(tmp_path)
+    with pytest.raises(checkpoint.CheckpointError, match="dcp/.metadata: "):
+        checkpoint.verify(str(tmp_path))
+    assert_cli_refuses(tmp_path, "dcp/.metadata: ")
+
+
+@pytest.mark.parametrize("name", ["meta.json", "manifest.json"])
+def test_deeply_nested_json_is_one_line(tmp_path, name):
+    write_small_checkpoint(tmp_path)
+    (tmp_path / name).write_text("[" * 100_000)
+    if name == "meta.json":
+        remanifest(tmp_path)
+    assert_cli_refuses(tmp_path, f"{name}: ")
+
+
+def test_step_names_in_other_digits_are_not_checkpoints(tmp_path):
+    """'step-²'.isdigit() is True and int('²') fails: such a folder is not a checkpoint."""
+    root = tmp_path / "checkpoints"
+    write_small_checkpoint(root / "step-00000001")
+    (root / "step-²").mkdir()
+    (root / "latest").write_text("step-²\n")
+    assert checkpoint._step_dirs(str(root)) == (["step-00000001"], None)
