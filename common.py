@@ -337,6 +337,47 @@ def encode_prompt(tok, prompt):
     return tok(prompt).input_ids
 
 
+def prompt_text(tok, prompt):
+    """The text encode_prompt's ids spell, less the special tokens the tokenizer adds itself (a
+    BOS): the chat template's rendering (which apply_chat_template tokenizes without adding any),
+    or the prompt as given."""
+    if tok.chat_template:
+        messages = [{"role": "user", "content": prompt}]
+        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return prompt
+
+
+def encode_response(tok, prompt, response):
+    """Token ids of `response` as it continues `prompt`, to follow encode_prompt's ids (SFT, RM,
+    DPO, and PPO's reward-model inputs). Tokenized on its own, a response reads as the start of a
+    text: SentencePiece tokenizers (Llama 2, Mistral) then prefix its first word with "▁", a space
+    the data does not have ("37+45=" then "82" would train "▁8 2", where the whole text has
+    "8 2"). So the response is tokenized after a context, the prompt's own text, and the tokens
+    that begin in the response are kept. Where a token spans the join (a BPE merge: "Answer: "
+    then "82" is "Answer:" + " 82"; unknown characters fused into one <unk>), the context is a
+    newline instead, which starts a new word without joining what follows it."""
+    for context in (prompt_text(tok, prompt), "\n"):
+        ids = _ids_after(tok, context, response)
+        if ids is not None:
+            return ids
+    # both join its first token (a prompt ending in a newline, a response starting with one)
+    return tok(response, add_special_tokens=False).input_ids
+
+
+def _ids_after(tok, context, response):
+    """The ids that follow the context's own when context + response is tokenized whole; None
+    where the context's ids are no prefix of the whole's, or (a fast tokenizer: it has character
+    offsets) a token spans the join, as fused unknown characters do without changing the ids."""
+    head = tok(context, add_special_tokens=False).input_ids
+    whole = tok(context + response, add_special_tokens=False, return_offsets_mapping=tok.is_fast)
+    if whole.input_ids[: len(head)] != head:
+        return None
+    join = len(context)
+    if tok.is_fast and any(start < join < end for start, end in whole["offset_mapping"]):
+        return None
+    return whole.input_ids[len(head) :]
+
+
 def check_batch_sizes(args, world):
     """--train_batch_size examples per step split evenly over the ranks, and each rank's share
     into whole micro-batches (SFT, RM and DPO; PPO's rollout batch has its own rule)."""
@@ -372,13 +413,55 @@ def eval_share(items):
 
 
 @torch.no_grad()
+def decode_budget(tok, examples):
+    """How many tokens greedy_accuracy decodes for held-out {"prompt", "response"} examples: the
+    longest response, and its EOS."""
+    return 1 + max(len(tok(e["response"], add_special_tokens=False).input_ids) for e in examples)
+
+
+def check_held_out(tok, examples, max_len, source):
+    """Every held-out prompt leaves room in the model's context for greedy_accuracy's decoding
+    (decode_budget): a model with learned positions (GPT-2) fails on the first position past it,
+    one with rotary positions generates past what it was trained on. One line names the first
+    that does not fit, before any training."""
+    if not examples:
+        return
+    budget = decode_budget(tok, examples)
+    for i, example in enumerate(examples):
+        where = f"{source}:{i + 1}"
+        check_fits(tok, example["prompt"], max(max_len - budget, 1), where)
+        n_prompt = len(encode_prompt(tok, example["prompt"]))
+        if n_prompt + budget > max_len:
+            raise SystemExit(
+                f"error: {where}: the prompt's {n_prompt} tokens and the {budget} the held-out "
+                f"evaluation decodes (the longest response, EOS) exceed the model's context "
+                f"({max_len})"
+            )
+
+
+def context_length(model_path, config):
+    """The longest sequence the model takes: `max_position_embeddings` (GPT-2's n_positions is
+    mapped to it), read on the text model's config of a multimodal wrapper (Gemma 3 from 4B up
+    loads as Gemma3ForConditionalGeneration, its limits in `text_config`). A family that names
+    none under the usual names is refused in one line, not trained without a check."""
+    text_config = config.get_text_config()
+    for name in ("max_position_embeddings", "max_seq_len", "seq_length"):
+        value = getattr(text_config, name, None)
+        if type(value) is int and value > 0:
+            return value
+    raise SystemExit(
+        f"error: --model {model_path}: its config ({type(config).__name__}) names no context "
+        "length (max_position_embeddings); this model family is not supported"
+    )
+
+
 def greedy_accuracy(model, tok, examples, stop_ids, device, batch_size=64):
     """Exact-match accuracy of greedy decoding on {"prompt", "response"} examples, by the
     FSDP2-sharded model itself (no unsharded copy): SFT's and DPO's `eval/accuracy`. Collective:
     every rank decodes its share."""
     world = dist.get_world_size()
     mine, counted = eval_share(examples)  # equal shares: no rank may finish early
-    longest = max(len(tok(e["response"], add_special_tokens=False).input_ids) for e in examples)
+    budget = decode_budget(tok, examples)  # check_held_out made room for it
     model.eval()
     right = []  # per example of `mine`
     for start in range(0, len(mine), batch_size):
@@ -388,7 +471,7 @@ def greedy_accuracy(model, tok, examples, stop_ids, device, batch_size=64):
         # synced_gpus: every forward of a sharded model is a collective; ranks step until all stop
         out = model.generate(
             **enc,
-            max_new_tokens=longest + 1,  # + EOS
+            max_new_tokens=budget,
             do_sample=False,
             synced_gpus=world > 1,
             pad_token_id=tok.pad_token_id,
@@ -754,9 +837,11 @@ def finish(args, step, final, role=None):
     if dist.get_rank() == 0 and step == args.max_steps and final:
         try:
             checkpoint.export(final, hf, role)
-        except (OSError, RuntimeError) as e:  # a full disk, a removed folder, ...
+        # a full disk, a removed folder, a shard DCP cannot read (its CheckpointException is
+        # a BaseException): one line, and every rank ends, none left in the broadcast below
+        except (Exception, checkpoint.CheckpointException) as e:
             error = (
-                f"error: export of {final} to {hf} failed ({str(e).splitlines()[0]}); the "
+                f"error: export of {final} to {hf} failed ({checkpoint.describe(e)}); the "
                 f"checkpoint is committed: export it again with python checkpoint.py export "
                 f"{final} {hf}"
             )

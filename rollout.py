@@ -297,6 +297,13 @@ class HFEngine:
         kwargs = {}
         if attn_implementation is not None:
             kwargs["attn_implementation"] = attn_implementation
+        if str(attn_implementation).startswith("flash_attention"):
+            # flash attention takes bf16/fp16 only, and transformers casts fp32 q/k/v to the
+            # dtype of the Linear weights: fp32 here (the actor gets bf16 from FSDP's mixed
+            # precision). The engine samples with sdpa, the same attention in fp32.
+            kwargs["attn_implementation"] = "sdpa"
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(f"HF engine: sdpa in place of {attn_implementation} (fp32)", flush=True)
         kwargs["trust_remote_code"] = False  # an auto_map in the folder runs no code of its own
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **kwargs)
         self.model = model.to(device).eval()

@@ -149,7 +149,8 @@ def encode_pair(tok, row, max_len, where):
     prompt = common.encode_prompt(tok, row["prompt"])
     sequences = []
     for name in ("chosen", "rejected"):
-        ids = prompt + tok(row[name], add_special_tokens=False).input_ids + [tok.eos_token_id]
+        response = common.encode_response(tok, row["prompt"], row[name])
+        ids = prompt + response + [tok.eos_token_id]
         if len(ids) > max_len:
             raise SystemExit(
                 f"error: {where}: prompt+{name} is {len(ids)} tokens, longer than the model's "
@@ -239,7 +240,9 @@ def load_data(args, tok, max_len):
             f"error: {source}: {len(train)} pairs, fewer than --train_batch_size "
             f"{args.train_batch_size}"
         )
-    return train, held_out[: args.eval_samples]
+    held_out = held_out[: args.eval_samples]
+    common.check_held_out(tok, held_out, max_len, args.eval_data or "embedded task")
+    return train, held_out
 
 
 def pair_logprobs(model, pairs, pad_id, device):
@@ -333,7 +336,7 @@ def main(args):
     export_generation_config = model.generation_config
     stop_ids = common.stop_token_ids(tok, export_generation_config)
     model.generation_config = common.neutral_generation_config(stop_ids, tok.pad_token_id)
-    train, held_out = load_data(args, tok, model.config.max_position_embeddings)
+    train, held_out = load_data(args, tok, common.context_length(args.model, model.config))
     if args.gradient_checkpointing:
         common.checkpoint_activations(model)
     for each in (model, reference):

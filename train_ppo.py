@@ -199,8 +199,10 @@ LIMITS = {
     "missing_eos_penalty": ">= 0",
     "max_new_tokens": ">= 1",
     # Every logprob divides the logits by the temperature [N policy #1], and PPO trains on sampled
-    # responses: 0 (greedy) is for evaluation, which decodes greedily by itself.
-    "temperature": "> 0",
+    # responses: 0 (greedy) is for evaluation, which decodes greedily by itself. vLLM raises a
+    # temperature below 0.01 to 0.01 with a warning (SamplingParams): it would sample a policy
+    # other than the one every logprob here divides by.
+    "temperature": ">= 0.01",
     "gpu_memory_utilization": "> 0, <= 1",
     "logprob_diff_warn": ">= 0",
     "eval_every": ">= 0",
@@ -671,7 +673,7 @@ def reward_model_inputs(reward_tok, prompt_texts, response_texts, finished):
     sequences = []
     for prompt, response, ended in zip(prompt_texts, response_texts, finished):
         ids = common.encode_prompt(reward_tok, prompt)
-        ids = ids + reward_tok(response, add_special_tokens=False).input_ids
+        ids = ids + common.encode_response(reward_tok, prompt, response)
         if ended:
             ids = ids + [reward_tok.eos_token_id]
         sequences.append(ids)
@@ -1032,7 +1034,7 @@ def main(args):
     scheds = {}
     for name, (_, optim) in roles.items():
         scheds[name] = get_linear_schedule_with_warmup(optim, args.warmup_steps, args.max_steps)
-    train, held_out = load_data(args, tok, models.actor.config.max_position_embeddings)
+    train, held_out = load_data(args, tok, common.context_length(args.model, models.actor.config))
 
     # The engine before the checkpoint: vLLM seeds the global RNGs while it starts.
     longest = max(len(ids) for ids, _ in train + held_out) + args.max_new_tokens  # its KV cache

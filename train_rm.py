@@ -156,7 +156,8 @@ def encode_pair(tok, row, max_len, where):
     prompt = common.encode_prompt(tok, row["prompt"])
     sequences = []
     for name in ("chosen", "rejected"):
-        ids = prompt + tok(row[name], add_special_tokens=False).input_ids + [tok.eos_token_id]
+        response = common.encode_response(tok, row["prompt"], row[name])
+        ids = prompt + response + [tok.eos_token_id]
         if len(ids) > max_len:
             raise SystemExit(
                 f"error: {where}: prompt+{name} is {len(ids)} tokens, longer than the model's "
@@ -365,7 +366,7 @@ def main(args):
     model.config.pad_token_id = tok.pad_token_id
     # from_pretrained returns eval mode: dropout would be silently off until the first eval
     model.train()
-    train, held_out = load_data(args, tok, model.config.max_position_embeddings)
+    train, held_out = load_data(args, tok, common.context_length(args.model, model.config))
     if args.gradient_checkpointing:
         common.checkpoint_activations(model)
     common.shard_model(model, device, reshard_after_forward=args.reshard_after_forward)

@@ -133,7 +133,8 @@ def encode(tok, example, max_len, where):
     taken on. `where` names the example in the error if it does not fit the context."""
     common.check_fits(tok, example["prompt"] + example["response"], max_len, where)
     prompt = common.encode_prompt(tok, example["prompt"])
-    response = tok(example["response"], add_special_tokens=False).input_ids + [tok.eos_token_id]
+    response = common.encode_response(tok, example["prompt"], example["response"])
+    response = response + [tok.eos_token_id]
     length = len(prompt) + len(response)
     if length > max_len:
         raise SystemExit(
@@ -188,7 +189,9 @@ def load_data(args, tok, max_len):
             f"error: {source}: {len(train)} examples, fewer than --train_batch_size "
             f"{args.train_batch_size}"
         )
-    return train, held_out[: args.eval_samples]
+    held_out = held_out[: args.eval_samples]
+    common.check_held_out(tok, held_out, max_len, args.eval_data or "embedded task")
+    return train, held_out
 
 
 def micro_batch_loss(model, micro, n_tokens, pad_id, device):
@@ -265,7 +268,7 @@ def main(args):
     export_generation_config = model.generation_config
     stop_ids = common.stop_token_ids(tok, export_generation_config)
     model.generation_config = common.neutral_generation_config(stop_ids, tok.pad_token_id)
-    train, held_out = load_data(args, tok, model.config.max_position_embeddings)
+    train, held_out = load_data(args, tok, common.context_length(args.model, model.config))
     if args.gradient_checkpointing:
         common.checkpoint_activations(model)
     common.shard_model(model, device, reshard_after_forward=args.reshard_after_forward)

@@ -334,3 +334,70 @@ def test_a_classifier_of_a_family_transformers_has_none_for(tmp_path):
         common.load_model_and_tokenizer(str(tmp_path), AutoModelForSequenceClassification)
     assert str(e.value).startswith(f"error: --model {tmp_path}: the folder has no weights for")
     assert "score.weight" in str(e.value) and "\n" not in str(e.value)
+
+
+def sentencepiece_like_tokenizer():
+    """Llama 2's conventions, built offline: BPE over characters with byte fallback and
+    Metaspace's "▁" prefix on the first word of a text; "▁8" one token."""
+    from tokenizers import Tokenizer
+    from tokenizers import decoders
+    from tokenizers import models
+    from tokenizers import pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁": 3, "▁8": 4}
+    for i in range(256):
+        vocab[f"<0x{i:02X}>"] = len(vocab)
+    for c in "0123456789+=:abc":
+        vocab[c] = len(vocab)
+    bpe = models.BPE(vocab, [("▁", "8")], unk_token="<unk>", byte_fallback=True)
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", bos_token="<s>")
+
+
+def bpe_merging_tokenizer():
+    """GPT-2's conventions (byte-level BPE), with " 82" one token: a prompt ending in a space then
+    "82" tokenizes as "Answer:" + " 82", across the join."""
+    from tokenizers import Tokenizer
+    from tokenizers import models
+    from tokenizers import pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {c: i for i, c in enumerate(sorted(alphabet))}
+    vocab["Ġ8"] = len(vocab)
+    vocab["Ġ82"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, [("Ġ", "8"), ("Ġ8", "2")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="!")
+
+
+def test_a_response_is_tokenized_as_it_continues_its_prompt():
+    tok = sentencepiece_like_tokenizer()
+    assert tok.convert_ids_to_tokens(tok("82", add_special_tokens=False).input_ids) == ["▁8", "2"]
+    # SFT trains the tokens of the whole text "37+45=82" after the prompt's: no "▁" of its own
+    ids, n_prompt = train_sft.encode(tok, {"prompt": "37+45=", "response": "82"}, 64, "x")
+    assert tok.convert_ids_to_tokens(ids[n_prompt:]) == ["8", "2", "</s>"]
+    assert tok.decode(ids) == "37+45=82</s>"
+    # a space the data has is kept; a newline the prompt ends with starts no word of the response
+    assert tok.convert_ids_to_tokens(common.encode_response(tok, "a:", " 82")) == ["▁8", "2"]
+    assert tok.convert_ids_to_tokens(common.encode_response(tok, "a:\n", "82")) == ["8", "2"]
+
+    bpe = bpe_merging_tokenizer()
+    assert bpe.convert_ids_to_tokens(bpe("a: 82").input_ids) == ["a", ":", "Ġ82"]
+    assert bpe.convert_ids_to_tokens(common.encode_response(bpe, "a:", " 82")) == ["Ġ82"]
+    # "a: " + "82" merges across the join: the response is tokenized after a newline instead
+    assert bpe.convert_ids_to_tokens(common.encode_response(bpe, "a: ", "82")) == ["8", "2"]
+
+
+def test_a_token_across_the_join_is_never_dropped():
+    """Unknown characters fuse into one <unk> (the tests' character tokenizers have no "\\n"):
+    after a prompt ending in one, a response starting with one keeps its <unk>."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)  # one token per printable character
+    assert tok.convert_ids_to_tokens(tok("x\n\nab").input_ids) == ["<s>", "x", "<unk>", "a", "b"]
+    ids = common.encode_response(tok, "x\n", "\nab")
+    assert tok.convert_ids_to_tokens(ids) == ["<unk>", "a", "b"]
