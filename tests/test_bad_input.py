@@ -67,6 +67,20 @@ def test_ppo_prompt_longer_than_the_context(tmp_path):
     assert_one_line_error(p, "prompts.jsonl:2", "exceeds the model's context")
 
 
+def test_a_held_out_prompt_without_room_to_decode(tmp_path):
+    """The held-out prompts are checked before training (GPT-2's learned positions failed at the
+    first evaluation, an IndexError, after --eval_every steps): the prompt and the longest
+    held-out response must fit the context together."""
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"prompt": "1+1=", "response": "2"}) + "\n")
+    held_out = tmp_path / "held_out.jsonl"
+    rows = [{"prompt": "1+1=", "response": "2" * 30}, {"prompt": "9" * 40, "response": "2"}]
+    held_out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = ("--out_dir", tmp_path, "--data", train, "--eval_data", held_out, "--max_steps", 1)
+    p = run_py("train_sft.py", *args, "--train_batch_size", 1, "--micro_batch_size", 1)
+    assert_one_line_error(p, "held_out.jsonl:2", "exceed the model's context (64)")
+
+
 def test_overlong_example(tmp_path):
     data = tmp_path / "long.jsonl"
     short = json.dumps({"prompt": "1+1=", "response": "2"}) + "\n"
@@ -147,8 +161,9 @@ def test_ppo_batch_sizes(tmp_path):
         ("train_sft.py", "--max_steps", -3, "expected a number >= 1"),
         ("train_sft.py", "--train_batch_size", 0, "expected a number >= 1"),
         ("train_sft.py", "--async_save", "yes", "expected true or false"),
-        ("train_ppo.py", "--temperature", 0, "expected a number > 0"),  # all-zero losses
-        ("train_ppo.py", "--temperature", -1, "expected a number > 0"),  # vLLM's traceback
+        ("train_ppo.py", "--temperature", 0, "expected a number >= 0.01"),  # all-zero losses
+        ("train_ppo.py", "--temperature", -1, "expected a number >= 0.01"),  # vLLM's traceback
+        ("train_ppo.py", "--temperature", 0.005, "expected a number >= 0.01"),  # vLLM: 0.01
         ("train_ppo.py", "--n_samples_per_prompt", 0, "expected a number >= 1"),
         ("train_ppo.py", "--max_new_tokens", 0, "expected a number >= 1"),
         ("train_ppo.py", "--gamma", 1.5, "expected a number >= 0, <= 1"),
@@ -193,7 +208,7 @@ def test_the_documented_off_values_are_accepted(tmp_path, monkeypatch):
     "script,flag,value,needle",
     [
         ("train_sft.py", "--lr", "inf", "expected a finite number"),
-        ("train_ppo.py", "--temperature", 0, "expected a number > 0"),
+        ("train_ppo.py", "--temperature", 0, "expected a number >= 0.01"),
     ],
 )
 def test_flags_out_of_range_on_the_command_line(tmp_path, script, flag, value, needle):

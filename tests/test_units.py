@@ -401,3 +401,17 @@ def test_a_token_across_the_join_is_never_dropped():
     assert tok.convert_ids_to_tokens(tok("x\n\nab").input_ids) == ["<s>", "x", "<unk>", "a", "b"]
     ids = common.encode_response(tok, "x\n", "\nab")
     assert tok.convert_ids_to_tokens(ids) == ["<unk>", "a", "b"]
+
+
+def test_context_length_of_wrapped_and_plain_configs():
+    from transformers import Gemma3Config
+    from transformers import GPT2Config
+    from transformers import MambaConfig
+
+    assert common.context_length("m", GPT2Config(n_positions=50)) == 50
+    # Gemma 3 from 4B up: a multimodal wrapper, the text model's limit in text_config
+    wrapped = Gemma3Config(text_config={"max_position_embeddings": 77})
+    assert not hasattr(wrapped, "max_position_embeddings")
+    assert common.context_length("m", wrapped) == 77
+    with pytest.raises(SystemExit, match="--model m: its config .MambaConfig. names no context"):
+        common.context_length("m", MambaConfig())
