@@ -12,6 +12,7 @@ alike.
 
 import argparse
 import ast
+import copy
 import dataclasses
 import datetime
 import functools
@@ -686,10 +687,13 @@ def value_head(model):
 
 
 def stop_token_ids(tok, generation_config):
-    """The ids generation stops at: the tokenizer's EOS first, then every other id in the model's
-    `generation_config.eos_token_id` (Qwen-Instruct lists two). Both engines and the evaluations
-    stop at this one set, and a response is `finished` when it ends with one of them."""
+    """The ids generation stops at: the tokenizer's EOS first, the end of a response
+    (response_end_id) next, then every other id in the model's `generation_config.eos_token_id`
+    (Qwen-Instruct lists two). Both engines and the evaluations stop at this one set, and a
+    response is `finished` when it ends with one of them."""
     ids = [tok.eos_token_id]
+    if response_end_id(tok) not in ids:
+        ids.append(response_end_id(tok))
     extra = generation_config.eos_token_id
     if isinstance(extra, int):
         extra = [extra]
@@ -697,6 +701,52 @@ def stop_token_ids(tok, generation_config):
         if token_id not in ids:
             ids.append(token_id)
     return ids
+
+
+# A response's text in response_end_id's rendering: plain words, which no template rewrites.
+RESPONSE_MARK = "PLAINRLHF RESPONSE"
+
+
+@functools.cache
+def response_end_id(tok):
+    """The token every response ends with, trained on (SFT, RM, DPO) and stopped at: where the
+    chat template ends an assistant turn with a special token (ChatML's <|im_end|>, Gemma's
+    <end_of_turn>, Phi-3's <|end|>), that token, which may not be the tokenizer's EOS (Gemma's
+    <eos>, Qwen2.5 base's <|endoftext|>): a model tuned from a chat model keeps ending its turns
+    as it was taught. Otherwise, and without a template, the tokenizer's EOS."""
+    if not tok.chat_template:
+        return tok.eos_token_id
+    messages = [
+        {"role": "user", "content": "1+1="},
+        {"role": "assistant", "content": RESPONSE_MARK},
+    ]
+    try:
+        text = tok.apply_chat_template(messages, tokenize=False)
+    except Exception:  # jinja's TemplateError: a template that renders no assistant turn
+        return tok.eos_token_id
+    if RESPONSE_MARK not in text:
+        return tok.eos_token_id
+    after = tok(text.split(RESPONSE_MARK, 1)[1], add_special_tokens=False).input_ids
+    special = set(tok.all_special_ids)
+    special |= {i for i, added in tok.added_tokens_decoder.items() if added.special}
+    if after and after[0] in special:
+        return after[0]
+    return tok.eos_token_id
+
+
+def stopping_at(generation_config, stop_ids):
+    """The model folder's generation_config for the exports: as it was, with every stop id in its
+    eos_token_id, so plain transformers' `generate` stops where the trained responses end."""
+    listed = generation_config.eos_token_id
+    if isinstance(listed, int):
+        listed = [listed]
+    listed = list(listed or [])
+    missing = [token_id for token_id in stop_ids if token_id not in listed]
+    if not missing:
+        return generation_config
+    generation_config = copy.deepcopy(generation_config)
+    generation_config.eos_token_id = listed + missing
+    return generation_config
 
 
 def neutral_generation_config(stop_ids, pad_id):

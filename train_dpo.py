@@ -142,15 +142,16 @@ LIMITS = {
 # ---- the math ----------------------------------------------------------------------------------
 def encode_pair(tok, row, max_len, where):
     """((chosen ids, n_prompt), (rejected ids, n_prompt)) of a {"prompt", "chosen", "rejected"} row:
-    the prompt's tokens (chat template), the response's, and EOS, as train_rm.py and train_ppo.py
-    encode a finished response. The EOS is a response token: DPO also learns where to stop."""
+    the prompt's tokens (chat template), the response's, and its end (EOS, or the template's end
+    of turn: `common.response_end_id`), as train_rm.py and train_ppo.py encode a finished
+    response. The end is a response token: DPO also learns where to stop."""
     longest = max(row["chosen"], row["rejected"], key=len)
     common.check_fits(tok, row["prompt"] + longest, max_len, where)
     prompt = common.encode_prompt(tok, row["prompt"])
     sequences = []
     for name in ("chosen", "rejected"):
         response = common.encode_response(tok, row["prompt"], row[name])
-        ids = prompt + response + [tok.eos_token_id]
+        ids = prompt + response + [common.response_end_id(tok)]
         if len(ids) > max_len:
             raise SystemExit(
                 f"error: {where}: prompt+{name} is {len(ids)} tokens, longer than the model's "
@@ -331,10 +332,11 @@ def main(args):
     reference.eval()
     # from_pretrained returns eval mode: dropout would be silently off until the first eval
     model.train()
-    # The model folder's generation_config goes to the export unchanged; greedy evaluation runs
-    # with no decoding defaults of the model's own (cf. common.neutral_generation_config).
-    export_generation_config = model.generation_config
-    stop_ids = common.stop_token_ids(tok, export_generation_config)
+    # The model folder's generation_config goes to the export (with the responses' end among its
+    # stop ids); greedy evaluation runs with no decoding defaults of the model's own (cf.
+    # common.neutral_generation_config).
+    stop_ids = common.stop_token_ids(tok, model.generation_config)
+    export_generation_config = common.stopping_at(model.generation_config, stop_ids)
     model.generation_config = common.neutral_generation_config(stop_ids, tok.pad_token_id)
     train, held_out = load_data(args, tok, common.context_length(args.model, model.config))
     if args.gradient_checkpointing:

@@ -667,15 +667,16 @@ def gold_scores(args, tok, prompt_texts, responses):
 
 def reward_model_inputs(reward_tok, prompt_texts, response_texts, finished):
     """The reward model's own token ids for each (prompt, response), [B][len]: the prompt (through
-    its chat template when it has one), the response, and its EOS when the response ended there.
-    The reward model never sees the policy's ids: its vocabulary and pad id may differ. This is
-    the format `train_rm.py: encode_pair` trains the reward model on (prompt, response, EOS)."""
+    its chat template when it has one), the response, and its end (`common.response_end_id`) when
+    the response ended there. The reward model never sees the policy's ids: its vocabulary and pad
+    id may differ. This is the format `train_rm.py: encode_pair` trains the reward model on
+    (prompt, response, end)."""
     sequences = []
     for prompt, response, ended in zip(prompt_texts, response_texts, finished):
         ids = common.encode_prompt(reward_tok, prompt)
         ids = ids + common.encode_response(reward_tok, prompt, response)
         if ended:
-            ids = ids + [reward_tok.eos_token_id]
+            ids = ids + [common.response_end_id(reward_tok)]
         sequences.append(ids)
     return sequences
 
@@ -1036,6 +1037,9 @@ def main(args):
         scheds[name] = get_linear_schedule_with_warmup(optim, args.warmup_steps, args.max_steps)
     train, held_out = load_data(args, tok, common.context_length(args.model, models.actor.config))
 
+    stop_ids = common.stop_token_ids(tok, models.actor.generation_config)
+    # the export stops where responses end (a chat template's end of turn may not be listed)
+    export_generation_config = common.stopping_at(models.actor.generation_config, stop_ids)
     # The engine before the checkpoint: vLLM seeds the global RNGs while it starts.
     longest = max(len(ids) for ids, _ in train + held_out) + args.max_new_tokens  # its KV cache
     engine = rollout.build_engine(
@@ -1043,7 +1047,7 @@ def main(args):
         args.model,
         longest,
         args.seed,
-        common.stop_token_ids(tok, models.actor.generation_config),
+        stop_ids,
         args.gpu_memory_utilization,
         args.enforce_eager,
         common.attention_implementation(args.model, args.attn_implementation),
@@ -1150,7 +1154,7 @@ def main(args):
             "epoch": epoch,
             "consumed_prompts": step * args.rollout_batch_size,
         }
-        hf_objs = (models.actor.config, tok, models.actor.generation_config)
+        hf_objs = (models.actor.config, tok, export_generation_config)
         saved, stop = common.end_of_step(args, step, device, roles, meta, hf_objs)
         if step == args.max_steps:
             final = saved

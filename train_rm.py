@@ -8,10 +8,12 @@ its score is the head's output at the last real token of the sequence. FSDP2 and
 train_sft.py: bitwise-exact resume, preemption, faults.
 
 A response is encoded exactly as `train_ppo.py: reward_model_inputs` encodes a finished one: the
-prompt's tokens (through the chat template when the tokenizer has one), the response's tokens,
-then the tokenizer's EOS. PPO thus scores its responses in the format the reward model was trained
-on. At the end, the reward's mean and std over chosen responses of the training data go into the
-export's config.json (`reward_mean`, `reward_std`); PPO normalises the score with them.
+prompt's tokens (through the chat template when the tokenizer has one), the response's tokens
+(as they continue the prompt: `common.encode_response`), then the response's end (the tokenizer's
+EOS, or the template's end of turn: `common.response_end_id`). PPO thus scores its responses in
+the format the reward model was trained on. At the end, the reward's mean and std over chosen
+responses of the training data go into the export's config.json (`reward_mean`, `reward_std`);
+PPO normalises the score with them.
 
     torchrun --nproc_per_node=2 train_rm.py --model runs/sft/hf --out_dir runs/rm [--resume latest]
     torchrun --nproc_per_node=8 train_rm.py --model my_sft --data pairs.jsonl --eval_data held.jsonl
@@ -149,7 +151,7 @@ LIMITS = {
 # ---- the math ----------------------------------------------------------------------------------
 def encode_pair(tok, row, max_len, where):
     """(chosen ids, rejected ids) of a {"prompt", "chosen", "rejected"} row: each the prompt's
-    tokens, the response's, and EOS, as `train_ppo.py: reward_model_inputs` builds a finished
+    tokens, the response's, and its end, as `train_ppo.py: reward_model_inputs` builds a finished
     response. `where` names the row in the error if it does not fit the context."""
     longest = max(row["chosen"], row["rejected"], key=len)
     common.check_fits(tok, row["prompt"] + longest, max_len, where)
@@ -157,7 +159,7 @@ def encode_pair(tok, row, max_len, where):
     sequences = []
     for name in ("chosen", "rejected"):
         response = common.encode_response(tok, row["prompt"], row[name])
-        ids = prompt + response + [tok.eos_token_id]
+        ids = prompt + response + [common.response_end_id(tok)]
         if len(ids) > max_len:
             raise SystemExit(
                 f"error: {where}: prompt+{name} is {len(ids)} tokens, longer than the model's "

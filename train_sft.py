@@ -129,12 +129,13 @@ LIMITS = {
 
 # ---- the math ----------------------------------------------------------------------------------
 def encode(tok, example, max_len, where):
-    """(input_ids, n_prompt): the prompt's tokens, then the response and EOS, which the loss is
-    taken on. `where` names the example in the error if it does not fit the context."""
+    """(input_ids, n_prompt): the prompt's tokens, then the response and its end (EOS, or the
+    chat template's end of turn: `common.response_end_id`), which the loss is taken on. `where`
+    names the example in the error if it does not fit the context."""
     common.check_fits(tok, example["prompt"] + example["response"], max_len, where)
     prompt = common.encode_prompt(tok, example["prompt"])
     response = common.encode_response(tok, example["prompt"], example["response"])
-    response = response + [tok.eos_token_id]
+    response = response + [common.response_end_id(tok)]  # EOS, or the template's end of turn
     length = len(prompt) + len(response)
     if length > max_len:
         raise SystemExit(
@@ -263,10 +264,11 @@ def main(args):
     )
     # from_pretrained returns eval mode: dropout would be silently off until the first eval
     model.train()
-    # The model folder's generation_config goes to the exports unchanged; while training, greedy
-    # evaluation runs with no decoding defaults of the model's own (a repetition penalty, say).
-    export_generation_config = model.generation_config
-    stop_ids = common.stop_token_ids(tok, export_generation_config)
+    # The model folder's generation_config goes to the exports (with the responses' end among its
+    # stop ids); while training, greedy evaluation runs with no decoding defaults of the model's
+    # own (a repetition penalty, say).
+    stop_ids = common.stop_token_ids(tok, model.generation_config)
+    export_generation_config = common.stopping_at(model.generation_config, stop_ids)
     model.generation_config = common.neutral_generation_config(stop_ids, tok.pad_token_id)
     train, held_out = load_data(args, tok, common.context_length(args.model, model.config))
     if args.gradient_checkpointing:

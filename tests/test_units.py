@@ -415,3 +415,65 @@ def test_context_length_of_wrapped_and_plain_configs():
     assert common.context_length("m", wrapped) == 77
     with pytest.raises(SystemExit, match="--model m: its config .MambaConfig. names no context"):
         common.context_length("m", MambaConfig())
+
+
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>"
+    "{{ m['role'] | replace('assistant', 'model') }}\n{{ m['content'] }}<end_of_turn>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def gemma_style_tokenizer():
+    """Gemma's chat conventions on a character tokenizer: EOS is <eos>, and the template ends an
+    assistant turn with <end_of_turn>."""
+    from tokenizers import Regex
+    from tokenizers import Tokenizer
+    from tokenizers import decoders
+    from tokenizers import models
+    from tokenizers import pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    vocab = {t: i for i, t in enumerate(specials + task.CHARS + ["\n"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=specials[4:],
+    )
+    hf_tok.chat_template = GEMMA_TEMPLATE
+    return hf_tok
+
+
+def test_a_response_ends_as_the_chat_template_ends_a_turn():
+    from transformers import AutoTokenizer
+    from transformers import GenerationConfig
+
+    tok = gemma_style_tokenizer()
+    eos = tok.eos_token_id
+    end_of_turn = tok.convert_tokens_to_ids("<end_of_turn>")
+    assert common.response_end_id(tok) == end_of_turn != eos
+    ids, n_prompt = train_sft.encode(tok, {"prompt": "1+2=", "response": "3"}, 64, "x")
+    # what the template writes for the same two turns, up to the end of the answer's turn
+    turns = [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"}]
+    rendered = tok.apply_chat_template(turns, tokenize=False)
+    assert tok.decode(ids) == rendered.removesuffix("\n")
+    assert tok.convert_ids_to_tokens(ids[n_prompt:]) == ["3", "<end_of_turn>"]
+    # generation stops there, and the export's generation config says so too
+    folder_config = GenerationConfig(eos_token_id=eos)
+    stop_ids = common.stop_token_ids(tok, folder_config)
+    assert stop_ids == [eos, end_of_turn]
+    assert common.stopping_at(folder_config, stop_ids).eos_token_id == [eos, end_of_turn]
+    assert folder_config.eos_token_id == eos  # the model's own is not changed
+    # a template that ends a turn with text, and no template: the tokenizer's EOS
+    plain = AutoTokenizer.from_pretrained(task.TINY_MODEL)
+    assert common.response_end_id(plain) == plain.eos_token_id
+    plain.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert common.response_end_id(plain) == plain.eos_token_id
