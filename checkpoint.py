@@ -739,7 +739,12 @@ def _check_rng(state):
     np.random.RandomState().set_state((name, keys, pos, has_gauss, gauss))
     torch.Generator().set_state(_unb64(state["torch"]))
     if state["cuda"] is not None:
-        _unb64(state["cuda"])
+        # CUDA's Philox state: seed and offset (16 bytes), or an older seed alone (8): what
+        # torch.cuda.set_rng_state accepts (CUDAGeneratorImpl::set_state), checked here on any
+        # machine, so a crafted one fails verification, not a GPU resume after the weights load
+        cuda = _unb64(state["cuda"])
+        if cuda.numel() not in (8, 16):
+            raise ValueError(f"a CUDA RNG state of {cuda.numel()} bytes, not 16")
 
 
 # ---- saving: write on every rank, agree, then commit on rank 0 -----------------------------------

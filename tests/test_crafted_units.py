@@ -100,8 +100,9 @@ def test_a_crafted_meta_json_is_a_damaged_checkpoint(tmp_path, field, value):
         lambda s: s.update(torch="!!"),
         lambda s: s.update(numpy=["MT19937", [-1] * 624, 0, 0, 0.0]),
         lambda s: s.pop("python"),
+        lambda s: s.update(cuda="AAAA"),  # 3 bytes: a GPU resume's traceback after the weights
     ],
-    ids=["torch-not-base64", "numpy-negative-keys", "python-missing"],
+    ids=["torch-not-base64", "numpy-negative-keys", "python-missing", "cuda-3-bytes"],
 )
 def test_a_malformed_rng_file_is_one_line(tmp_path, edit):
     write_small_checkpoint(tmp_path)
