@@ -463,6 +463,7 @@ def greedy_accuracy(model, tok, examples, stop_ids, device, batch_size=64):
     world = dist.get_world_size()
     mine, counted = eval_share(examples)  # equal shares: no rank may finish early
     budget = decode_budget(tok, examples)  # check_held_out made room for it
+    was_training = model.training  # SFT trains with dropout, DPO without: each gets its mode back
     model.eval()
     right = []  # per example of `mine`
     for start in range(0, len(mine), batch_size):
@@ -480,7 +481,7 @@ def greedy_accuracy(model, tok, examples, stop_ids, device, batch_size=64):
         )
         texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         right += [t.strip() == e["response"].strip() for t, e in zip(texts, chunk)]
-    model.train()
+    model.train(was_training)
     totals = torch.tensor([sum(right[:counted]), counted], dtype=torch.float64, device=device)
     dist.all_reduce(totals)  # every rank's correct answers and examples
     return (totals[0] / totals[1]).item()

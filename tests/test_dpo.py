@@ -2,8 +2,10 @@
 those sums' pairs: the first loss is log 2, it resumes exactly, its greedy accuracy does not fall,
 and its export loads in plain transformers and vLLM."""
 
+import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -33,14 +35,29 @@ def dpo(out, start, *extra):
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, memorised_sft):
+def dropout_start(tmp_path_factory, memorised_sft):
+    """memorised_sft's export with attention dropout 0.1 in its config (GPT-2 ships 0.1): DPO
+    must switch it off in the policy too, or step 1's loss is not log 2."""
+    model, eval_data, pairs = memorised_sft
+    folder = tmp_path_factory.mktemp("dpo-start-with-dropout")
+    for name in os.listdir(model):
+        shutil.copy(os.path.join(model, name), folder)
+    config = json.load(open(folder / "config.json"))
+    config["attention_dropout"] = 0.1
+    json.dump(config, open(folder / "config.json", "w"))
+    return str(folder), eval_data, pairs
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, dropout_start):
     out = str(tmp_path_factory.mktemp("dpo-straight"))
-    run("train_dpo.py", *dpo(out, memorised_sft))
+    run("train_dpo.py", *dpo(out, dropout_start))
     return out
 
 
 def test_dpo_first_loss_is_log_2(straight):
     # step 1 is computed before any update: the policy is the reference, so h = 0 for every pair
+    # (a start with dropout in its config: the policy has none either, as the reference has none)
     first = metrics(straight)[1]
     assert first["step"] == 1
     assert first["train/loss"] == pytest.approx(math.log(2), rel=1e-6)
@@ -67,14 +84,14 @@ def test_dpo_logs_its_metrics_and_learns(straight):
     assert rows[-1]["eval/accuracy"] >= rows[0]["eval/accuracy"]
 
 
-def test_dpo_resume_is_bitwise_exact(tmp_path, straight, memorised_sft):
+def test_dpo_resume_is_bitwise_exact(tmp_path, straight, dropout_start):
     out = str(tmp_path)
     # a run killed before its first save left rows (the last cut short): the fresh start drops
     # them before its step-0 evaluation (it kept them, and appended)
     write_dead_rows(out, (0, 1))
-    run("train_dpo.py", *dpo(out, memorised_sft, "--stop_at_step", 4, "--resume", "latest"))
+    run("train_dpo.py", *dpo(out, dropout_start, "--stop_at_step", 4, "--resume", "latest"))
     assert latest(out).endswith("step-00000004") and not os.path.exists(os.path.join(out, "hf"))
-    p = run("train_dpo.py", *dpo(out, memorised_sft, "--resume", "latest"))
+    p = run("train_dpo.py", *dpo(out, dropout_start, "--resume", "latest"))
     assert "at step 4" in p.stdout + p.stderr
     assert_same_tensors(latest(straight), latest(out))  # weights and optimizer state
     assert metrics(straight) == metrics(out)  # every step's loss, rewards, logps, eval
