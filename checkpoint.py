@@ -1307,30 +1307,73 @@ def export(path, out, role=None):
     config) that transformers and vLLM load: for deployment, or the next stage. One process, DCP's
     no_dist mode. The critic exports as a token-classification (value) model with one label, the
     reward model (train_rm.py) as a sequence-classification model with one label. Either side may
-    be on a store."""
+    be on a store. A local `out` is written whole or not at all: into a sibling folder, fsynced,
+    then renamed into place (`_install`), so a kill or a full disk never leaves a half export
+    where the next stage would load it."""
     manifest = verify(path)
     roles = read_meta(path)["roles"]
     role = role or roles[0]
     if role not in roles:
         raise CheckpointError(f"--role {role}: checkpoint has roles {roles}")
-    if objstore.is_url(path) or objstore.is_url(out):
-        # on a store: hf/ comes down (no further than the manifest's sizes), the export goes up
+    if objstore.is_url(out):
         with tempfile.TemporaryDirectory() as local:
-            hf_files = {k[3:]: v["size"] for k, v in manifest["files"].items() if k[:3] == "hf/"}
-            hf = os.path.join(path, "hf")
-            if objstore.is_url(path):
-                hf = os.path.join(local, "hf")
-                _store_call(objstore.download, os.path.join(path, "hf"), hf_files, hf)
-            _export(path, hf, os.path.join(local, "out"), role)
-            if objstore.is_url(out):
-                _store_call(objstore.upload_folder, out, os.path.join(local, "out"))
-                return
-            shutil.copytree(os.path.join(local, "out"), out, dirs_exist_ok=True)
-    else:
-        _export(path, os.path.join(path, "hf"), out, role)
-    # save_pretrained does not fsync: an export that returned is on disk (the next stage, or a
-    # deployment, may start from it right after a power loss)
-    _durable_tree(out)
+            _export_from(path, manifest, role, os.path.join(local, "out"), local)
+            _store_call(objstore.upload_folder, out, os.path.join(local, "out"))
+        return
+    _check_export_folder(out)
+    parent, name = os.path.split(os.path.abspath(out))
+    staging = os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with tempfile.TemporaryDirectory() as local:
+            _export_from(path, manifest, role, staging, local)
+        # save_pretrained does not fsync: an export that returned is on disk (the next stage, or
+        # a deployment, may start from it right after a power loss)
+        _durable_tree(staging)
+        _install(staging, out)
+    except OSError as e:  # named by the folder asked for, not the staging one
+        reason = e.strerror or str(e).splitlines()[0]
+        raise OSError(f"{out}: {reason}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _check_export_folder(out):
+    """`out` may be new, an empty folder, or an earlier export (it has a config.json), which the
+    export replaces whole; anything else (a file, a symlink, a folder of other files) is refused
+    before any work: replacing it would delete what is not ours."""
+    if not os.path.lexists(out):
+        return
+    if os.path.islink(out) or not os.path.isdir(out):
+        raise CheckpointError(f"{out}: not a folder (a file or a symlink); give a new folder")
+    if os.listdir(out) and not os.path.isfile(os.path.join(out, "config.json")):
+        raise CheckpointError(
+            f"{out}: holds files but no export (no config.json); give a new or empty folder"
+        )
+
+
+def _install(staging, out):
+    """The finished export `staging` (a sibling of `out`) renamed to `out`. An earlier export there
+    is renamed aside first and removed after: a kill in between leaves no `out` (and the earlier
+    export aside, as .NAME.tmp-*.old), never a mix of the two."""
+    aside = None
+    if os.path.lexists(out):
+        aside = staging + ".old"
+        os.rename(out, aside)
+    os.rename(staging, out)
+    _durable(os.path.dirname(os.path.abspath(out)))  # both renames on disk
+    if aside:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _export_from(path, manifest, role, dest, local):
+    """_export of the checkpoint `path` into the local folder `dest`; from a store, its hf/ comes
+    down into the local scratch folder `local` first (no further than the manifest's sizes)."""
+    hf = os.path.join(path, "hf")
+    if objstore.is_url(path):
+        hf_files = {k[3:]: v["size"] for k, v in manifest["files"].items() if k[:3] == "hf/"}
+        hf = os.path.join(local, "hf")
+        _store_call(objstore.download, os.path.join(path, "hf"), hf_files, hf)
+    _export(path, hf, dest, role)
 
 
 def _export(path, hf, out, role):
@@ -1359,7 +1402,7 @@ def _export(path, hf, out, role):
     try:
         model.save_pretrained(out)
     except SafetensorError as e:  # a full disk, seen on a GPU machine: an OSError, said in a line
-        raise OSError(f"{out}: {str(e).splitlines()[0]}") from None
+        raise OSError(str(e).splitlines()[0]) from None
     tok.save_pretrained(out)
 
 

@@ -139,16 +139,48 @@ def test_an_export_that_cannot_be_written_is_one_line(done, tmp_path):
 
 
 def test_an_export_is_fsynced(done, tmp_path, fsynced):
-    """save_pretrained does not fsync: `checkpoint.export` fsyncs every file it wrote, its folder
-    and the folder's parent, so that an export that returned (the next stage may start from it)
-    survives a power loss."""
+    """save_pretrained does not fsync: `checkpoint.export` fsyncs every file it wrote in its
+    staging folder, then the parent after the rename into place, so that an export that returned
+    (the next stage may start from it) survives a power loss."""
     import checkpoint
 
     out = tmp_path / "export"
     checkpoint.export(latest(done), str(out))
-    written = [str(p) for p in out.rglob("*") if p.is_file()]
-    assert str(out / "model.safetensors") in written and len(written) > 3, written
-    assert set(written + [str(out), str(tmp_path)]) <= set(fsynced)
+    written = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors" in written and len(written) > 3, written
+    staged = [p for p in fsynced if os.path.basename(os.path.dirname(p)).startswith(".export.tmp-")]
+    assert sorted(os.path.basename(p) for p in staged) == written
+    assert fsynced[-1] == str(tmp_path)  # the rename into place, after every file
+    assert sorted(os.listdir(tmp_path)) == ["export"]  # no staging folder left
+
+
+def test_an_export_is_written_whole_or_not_at_all(done, tmp_path, monkeypatch):
+    """An export replaces an earlier one whole (a file the new one does not write goes too); one
+    that fails (here at its fsync; a kill or a full disk alike) leaves the earlier export as it
+    was, never a mix; a folder of other files is refused, not replaced."""
+    import checkpoint
+
+    out = tmp_path / "export"
+    checkpoint.export(latest(done), str(out))
+    (out / "stale.bin").write_bytes(b"from an earlier export")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    checkpoint.export(latest(done), str(out))
+    assert "stale.bin" not in os.listdir(out) and sorted(os.listdir(tmp_path)) == ["export"]
+    (out / "stale.bin").write_bytes(b"from an earlier export")
+
+    def full_disk(root):
+        raise OSError(28, "No space left on device", root)
+
+    monkeypatch.setattr(checkpoint, "_durable_tree", full_disk)
+    with pytest.raises(OSError, match=f"{out}: No space left on device"):
+        checkpoint.export(latest(done), str(out))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(os.listdir(tmp_path)) == ["export"]
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "mine.txt").write_text("not an export")
+    with pytest.raises(checkpoint.CheckpointError, match="holds files but no export"):
+        checkpoint.export(latest(done), str(other))
 
 
 def test_a_refused_pickle_is_one_line(copy, tmp_path, addition_jsonl):
