@@ -191,8 +191,13 @@ def test_a_refused_pickle_is_one_line(copy, tmp_path, addition_jsonl):
     rewrite_manifest(ckpt)
     p = run_py("checkpoint.py", "export", ckpt, tmp_path / "export")
     assert_one_line_error(p, "refusing to unpickle posix.system")
-    p = run("train_sft.py", *sft(copy, addition_jsonl, "--resume", "latest"), check=False)
+    p = run("train_sft.py", *sft(copy, addition_jsonl, "--resume", ckpt), check=False)
     assert_ranks_error(p, "refusing to unpickle posix.system")
+    # verification reads .metadata too: --resume latest passes over it, from step 2 on
+    p = run("train_sft.py", *sft(copy, addition_jsonl, "--resume", "latest"))
+    assert "WARNING: skipping checkpoint step-00000004" in p.stdout + p.stderr
+    assert "refusing to unpickle posix.system" in p.stdout + p.stderr
+    assert "resumed from" in p.stdout + p.stderr and "at step 2" in p.stdout + p.stderr
     assert not marker.exists()
 
 
@@ -208,7 +213,7 @@ def test_resume_reads_nothing_outside_the_checkpoint(copy, tmp_path, addition_js
         md.storage_data[index] = type(info)(outside, info.offset, info.length)
     open(meta_path, "wb").write(pickle.dumps(md))
     rewrite_manifest(ckpt)
-    p = run("train_sft.py", *sft(copy, addition_jsonl, "--resume", "latest"), check=False)
+    p = run("train_sft.py", *sft(copy, addition_jsonl, "--resume", ckpt), check=False)
     assert_ranks_error(p, "not a regular file in")
 
 
