@@ -802,6 +802,8 @@ def _agree(fn, tmp, name, on_error):
     if previous:
         kept = f"the previous checkpoint, {previous}, is intact and latest"
     msg = f"{name} not saved ({bad}); {kept}"
+    if previous == name:  # it failed after its commit (an fsync after `latest` was replaced)
+        msg = f"{name}: the save failed after its commit ({bad}); it is committed and latest"
     if on_error != "warn":
         raise CheckpointError(msg)
     if dist.get_rank() == 0:
@@ -818,6 +820,10 @@ def _remove_unfinished(tmp):
     if dist.get_rank() != 0:
         return
     try:
+        # committed: the failure came after the manifest (its `latest` PUT), or the prefix is
+        # another run's (`_publish_store` refuses to write over a manifest): not ours to delete
+        if "manifest.json" in objstore.listing(tmp):
+            return
         objstore.remove_prefix(tmp)
     except (OSError, objstore.StoreError):
         pass  # the next run's start deletes what is left: a prefix without a manifest

@@ -86,7 +86,29 @@ def main(out):
         assert same, "async save saw later weights"
         assert json.load(open(os.path.join(path, "meta.json")))["step"] == 3
 
-    # 3. boundary(): a signal on one rank makes every rank save and stop; the clock is rank 0's.
+    # 3. A failure after the commit (rank 0's fsync of checkpoints/ once `latest` names step 4):
+    # the line says the checkpoint is committed and latest, not that it was not saved.
+    real_durable = checkpoint._durable
+
+    def durable(path, text=None):
+        if path == root and latest() == "step-00000004":
+            raise OSError(errno.EIO, "Input/output error")
+        real_durable(path, text)
+
+    if rank == 0:
+        checkpoint._durable = durable
+    try:
+        checkpoint.save(args[0], 4, *args[1:], keep_last=0)
+        raise AssertionError("the save did not fail")
+    except checkpoint.CheckpointError as e:
+        assert "step-00000004: the save failed after its commit" in str(e), e
+        assert "it is committed and latest" in str(e), e
+    checkpoint._durable = real_durable
+    dist.barrier()
+    assert latest() == "step-00000004"
+    assert checkpoint.verify(os.path.join(root, "step-00000004"))["step"] == 4
+
+    # 4. boundary(): a signal on one rank makes every rank save and stop; the clock is rank 0's.
     assert checkpoint.boundary(7, 100, 0, rank == 1, device) == (True, True)
     assert checkpoint.boundary(7, 100, 0, False, device) == (False, False)
     assert checkpoint.boundary(7, 100, 1e-9, False, device) == (True, False)

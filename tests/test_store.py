@@ -327,6 +327,32 @@ def small_on_store(fs, tmp_path, name):
     return f"s3://{BUCKET}/crafted/{name}"
 
 
+def test_a_failed_save_never_removes_a_committed_prefix(store, tmp_path):
+    """A save that fails on a store removes its step's objects, unless a manifest is among them:
+    then it failed after its commit (the `latest` PUT), or the prefix is another run's (which
+    `_publish_store` refuses to write over); the commit is kept, and only an uncommitted prefix
+    goes."""
+    import torch.distributed as dist
+
+    import checkpoint
+
+    fs, _ = store
+    url = small_on_store(fs, tmp_path, "committed")
+    owned = not dist.is_initialized()  # _remove_unfinished asks for the rank
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        checkpoint._remove_unfinished(url)
+        assert checkpoint.verify(url)["step"] == 1
+        fs.rm(f"{BUCKET}/crafted/committed/manifest.json")
+        checkpoint._remove_unfinished(url)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    fs.invalidate_cache()
+    assert not fs.exists(f"{BUCKET}/crafted/committed/a.bin")
+
+
 def test_crafted_manifests_and_objects_on_the_store(store, tmp_path):
     """verify on a store: unlisted objects, paths leaving the prefix, sizes other than the
     manifest's, each refused in one line."""
