@@ -1208,15 +1208,25 @@ def load(path, roles, args, must_match):
         raise CheckpointError(
             f"{path} was saved by a different run; differing settings: {', '.join(diff)}"
         )
+    if meta["step"] > args["max_steps"]:  # the loop would not run, and nothing be exported
+        raise CheckpointError(
+            f"{path} is at step {meta['step']}, past --max_steps {args['max_steps']}: nothing to "
+            "train; give a --max_steps of at least that to go on"
+        )
     state = _state(roles)
     dcp_load(state, os.path.join(path, "dcp"), sizes=_dcp_sizes(path))
     for role, (model, optim) in roles.items():
+        flags = _hyperparameters(optim)
         set_state_dict(
             model,
             optim,
             model_state_dict=state[role]["model"],
             optim_state_dict=state[role]["optim"],
         )
+        # load_state_dict replaced the param groups' settings with the saved run's: this run's
+        # flags (--weight_decay, ...) again; the rate is the scheduler's (restore_scheduler)
+        for group, own in zip(optim.param_groups, flags):
+            group.update(own)
     rank_file = f"rng-rank{dist.get_rank() % meta['world_size']}.json"
     set_rng_state(_read_json(os.path.join(path, rank_file)))  # read_meta checked it
     if meta["world_size"] != dist.get_world_size() and dist.get_rank() == 0:
@@ -1228,6 +1238,13 @@ def load(path, roles, args, must_match):
             flush=True,
         )
     return meta
+
+
+def _hyperparameters(optim):
+    """Each param group's settings as this run's flags made them (weight decay, betas, eps, ...),
+    less the learning rate, which restore_scheduler sets from the checkpoint's schedule position."""
+    skip = ("params", "lr", "initial_lr")
+    return [{k: v for k, v in group.items() if k not in skip} for group in optim.param_groups]
 
 
 def _dcp_sizes(path):

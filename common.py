@@ -128,6 +128,8 @@ def check_limits(args, limits):
         value = getattr(args, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise SystemExit(f"error: --{f.name} {value}: expected a finite number")
+    # every stage's --seed seeds NumPy with seed + rank, which takes 0 .. 2**32 - 1
+    limits = {"seed": ">= 0, <= 2147483647", **limits}
     for name, rule in limits.items():
         value = getattr(args, name)
         for condition in rule.split(","):
@@ -336,6 +338,16 @@ def encode_prompt(tok, prompt):
         messages = [{"role": "user", "content": prompt}]
         return tok.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
     return tok(prompt).input_ids
+
+
+def check_prompt_ids(ids, where):
+    """A prompt must have a token: a response's first token is predicted from the one before it
+    (an empty prompt with a tokenizer that adds no BOS, GPT-2's, leaves it nothing), and an
+    engine cannot generate from nothing."""
+    if not ids:
+        raise SystemExit(
+            f"error: {where}: the prompt has no tokens (empty, and the tokenizer adds no BOS)"
+        )
 
 
 def prompt_text(tok, prompt):

@@ -194,9 +194,11 @@ def ensure_tiny_model(path=TINY_MODEL, seed=0):
     from transformers import AutoConfig
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(seed)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
-    model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    # fork_rng: the caller's RNG streams (a stage's seed + rank, already set) are left as they were
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     tmp = f"{weights}.tmp{os.getpid()}"
     save_model(model, tmp, metadata={"format": "pt"})
     os.replace(tmp, weights)  # atomic: concurrent callers each write a full file, one wins

@@ -148,6 +148,7 @@ def encode_pair(tok, row, max_len, where):
     longest = max(row["chosen"], row["rejected"], key=len)
     common.check_fits(tok, row["prompt"] + longest, max_len, where)
     prompt = common.encode_prompt(tok, row["prompt"])
+    common.check_prompt_ids(prompt, where)
     sequences = []
     for name in ("chosen", "rejected"):
         response = common.encode_response(tok, row["prompt"], row[name])
@@ -291,13 +292,14 @@ def train_step(args, model, reference, optim, sched, mine, pad_id, device):
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
     grad_norm = grad_norm.full_tensor()  # a DTensor under FSDP2: the norm over all shards
     optim.step()
+    lr = sched.get_last_lr()[0]  # the rate this step trained at (before the schedule moves on)
     sched.step()
     optim.zero_grad(set_to_none=True)
     totals = common.global_sums(sums, device)  # for logging only: the global batch's sums
     metrics = {"train/loss": totals.pop("loss")}
     # rewards/* and logps/*: means over the pairs of the global batch, before this step's update
     metrics.update({name: value / args.train_batch_size for name, value in totals.items()})
-    metrics["train/lr"] = sched.get_last_lr()[0]
+    metrics["train/lr"] = lr
     metrics["train/grad_norm"] = grad_norm.item()
     return metrics
 

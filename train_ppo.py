@@ -541,6 +541,7 @@ def load_prompts(rows, tok, max_new_tokens, context, source):
     for i, row in enumerate(rows):
         common.check_fits(tok, row["prompt"], context - max_new_tokens, f"{source}:{i + 1}")
         ids = common.encode_prompt(tok, row["prompt"])
+        common.check_prompt_ids(ids, f"{source}:{i + 1}")
         if len(ids) + max_new_tokens > context:
             raise SystemExit(
                 f"error: {source}:{i + 1}: prompt of {len(ids)} tokens + --max_new_tokens "
@@ -991,10 +992,11 @@ def write_samples(out_dir, step, prompts, raw_scores, gen, tok, n):
             f.write(json.dumps(row) + "\n")
 
 
-def restore_schedules(meta, scheds, where):
+def restore_schedules(meta, scheds, where, args):
     """The learning-rate schedulers' states and the KL coefficient from a checkpoint's meta.json,
     checked: a crafted one gets one line, not a traceback from deep in the scheduler. Returns
-    kl_coef."""
+    kl_coef: the adaptive controller's state with --target_kl; a fixed beta is this run's
+    --kl_coef (a flag a resume may change)."""
     states = meta.get("scheduler")
     if not isinstance(states, dict) or sorted(states) != sorted(scheds):
         raise checkpoint.CheckpointError(f"{where}: expected scheduler states of {sorted(scheds)}")
@@ -1004,6 +1006,8 @@ def restore_schedules(meta, scheds, where):
     is_number = isinstance(kl_coef, (int, float)) and not isinstance(kl_coef, bool)
     if not is_number or not math.isfinite(kl_coef) or kl_coef < 0:
         raise checkpoint.CheckpointError(f"{where}: kl_coef {kl_coef!r}, expected a number >= 0")
+    if args.target_kl == 0:
+        return args.kl_coef
     return float(kl_coef)
 
 
@@ -1057,7 +1061,7 @@ def main(args):
     final = checkpoint.resolve(args.out_dir, args.resume)
     if final:  # the RNG is restored last, inside load
         meta = checkpoint.load(final, roles, vars(args), MUST_MATCH)
-        kl_coef = restore_schedules(meta, scheds, f"{final}/meta.json")
+        kl_coef = restore_schedules(meta, scheds, f"{final}/meta.json", args)
         start = meta["step"]
         rollout.sync_weights(engine, models.actor)  # the engine started from --model: resume it
         common.print0(f"resumed from {final} at step {start}")
@@ -1103,6 +1107,7 @@ def main(args):
         # (5) PPO epochs over shuffled minibatches.
         update_stats, first_ratio_dev = ppo_update(args, models, roles, exp, kl_coef)
         gap = logprob_gap(exp, gen.logprobs, order)  # [B, R]: engine vs actor, every token
+        lr = scheds["actor"].get_last_lr()[0]  # the actor's rate this iteration trained at
         for sched in scheds.values():
             sched.step()
         t3 = time.time()
@@ -1120,7 +1125,7 @@ def main(args):
                 f"{args.logprob_diff_warn}): the policy trained is not the one that sampled"
             )
         metrics["objective/kl_coef"] = kl_coef
-        metrics["policy/first_ratio_dev"] = first_ratio_dev
+        metrics["policy/first_ratio_dev"] = common.global_max(first_ratio_dev, device)
         metrics["time/rollout_s"] = t1 - t0
         metrics["time/score_s"] = t_scored - t1  # reward function or model, gold scores
         metrics["time/logprobs_s"] = t_logprobs - t_scored  # old and reference logprobs, values
@@ -1128,7 +1133,7 @@ def main(args):
         metrics["time/train_s"] = t3 - t2
         metrics["time/sync_s"] = t4 - t3
         metrics["train/epoch"] = epoch
-        metrics["train/lr"] = scheds["actor"].get_last_lr()[0]
+        metrics["train/lr"] = lr
         if args.target_kl > 0:
             n_responses = args.rollout_batch_size * n
             kl_coef = update_kl_coef(kl_coef, metrics["objective/kl"], args.target_kl, n_responses)

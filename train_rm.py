@@ -282,13 +282,14 @@ def train_step(args, model, optim, sched, mine, pad_id, device):
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
     grad_norm = grad_norm.full_tensor()  # a DTensor under FSDP2: the norm over all shards
     optim.step()
+    lr = sched.get_last_lr()[0]  # the rate this step trained at (before the schedule moves on)
     sched.step()
     optim.zero_grad(set_to_none=True)
     totals = common.global_sums(sums, device)  # for logging only: the global batch's sums
     return {
         "train/loss": totals["loss"],
         "train/accuracy": totals["correct"] / args.train_batch_size,
-        "train/lr": sched.get_last_lr()[0],
+        "train/lr": lr,
         "train/grad_norm": grad_norm.item(),
     }
 

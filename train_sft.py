@@ -134,6 +134,7 @@ def encode(tok, example, max_len, where):
     names the example in the error if it does not fit the context."""
     common.check_fits(tok, example["prompt"] + example["response"], max_len, where)
     prompt = common.encode_prompt(tok, example["prompt"])
+    common.check_prompt_ids(prompt, where)
     response = common.encode_response(tok, example["prompt"], example["response"])
     response = response + [common.response_end_id(tok)]  # EOS, or the template's end of turn
     length = len(prompt) + len(response)
@@ -234,12 +235,13 @@ def train_step(args, model, optim, sched, mine, n_tokens, pad_id, device):
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
     grad_norm = grad_norm.full_tensor()  # a DTensor under FSDP2: the norm over all shards
     optim.step()
+    lr = sched.get_last_lr()[0]  # the rate this step trained at (before the schedule moves on)
     sched.step()
     optim.zero_grad(set_to_none=True)
     dist.all_reduce(loss_sum)  # for logging only: the global mean loss over response tokens
     return {
         "train/loss": loss_sum.item(),
-        "train/lr": sched.get_last_lr()[0],
+        "train/lr": lr,
         "train/grad_norm": grad_norm.item(),
         # forward and backward of every micro-batch, FSDP2's all-gathers and reduce-scatters in it
         "time/forward_backward_s": t1 - t0,

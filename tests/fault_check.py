@@ -108,7 +108,22 @@ def main(out):
     assert latest() == "step-00000004"
     assert checkpoint.verify(os.path.join(root, "step-00000004"))["step"] == 4
 
-    # 4. boundary(): a signal on one rank makes every rank save and stop; the clock is rank 0's.
+    # 4. A resume takes this run's optimizer flags (AdamW's weight decay: the checkpoint's 0.01,
+    # this run's 0.5), which load_state_dict replaced with the saved ones; a checkpoint past
+    # --max_steps is refused in one line.
+    step_4 = os.path.join(root, "step-00000004")
+    for group in optim.param_groups:
+        group["weight_decay"] = 0.5
+    assert checkpoint.load(step_4, {"model": (model, optim)}, {"max_steps": 4}, [])["step"] == 4
+    assert [group["weight_decay"] for group in optim.param_groups] == [0.5], optim.param_groups
+    assert optim.state, "the AdamW state was not loaded"
+    try:
+        checkpoint.load(step_4, {"model": (model, optim)}, {"max_steps": 3}, [])
+        raise AssertionError("a checkpoint past --max_steps was loaded")
+    except checkpoint.CheckpointError as e:
+        assert "is at step 4, past --max_steps 3" in str(e), e
+
+    # 5. boundary(): a signal on one rank makes every rank save and stop; the clock is rank 0's.
     assert checkpoint.boundary(7, 100, 0, rank == 1, device) == (True, True)
     assert checkpoint.boundary(7, 100, 0, False, device) == (False, False)
     assert checkpoint.boundary(7, 100, 1e-9, False, device) == (True, False)

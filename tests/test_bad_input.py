@@ -163,6 +163,8 @@ def test_ppo_batch_sizes(tmp_path):
         ("train_sft.py", "--async_save", "yes", "expected true or false"),
         ("train_ppo.py", "--temperature", 0, "expected a number >= 0.01"),  # all-zero losses
         ("train_ppo.py", "--temperature", -1, "expected a number >= 0.01"),  # vLLM's traceback
+        ("train_sft.py", "--seed", -1, "expected a number >= 0"),  # NumPy's ValueError traceback
+        ("train_dpo.py", "--seed", 2**32, "<= 2147483647"),
         ("train_ppo.py", "--temperature", 0.005, "expected a number >= 0.01"),  # vLLM: 0.01
         ("train_ppo.py", "--n_samples_per_prompt", 0, "expected a number >= 1"),
         ("train_ppo.py", "--max_new_tokens", 0, "expected a number >= 1"),

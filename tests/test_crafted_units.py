@@ -249,11 +249,17 @@ def test_a_crafted_kl_coef_is_refused(kl_coef):
     scheds = {"actor": scheduler()}
     state = {"actor": json.loads(json.dumps(scheds["actor"].state_dict()))}
     meta = {"scheduler": state, "kl_coef": kl_coef}
+    adaptive = train_ppo.Args(kl_coef=0.2, target_kl=6.0)
     with pytest.raises(checkpoint.CheckpointError, match="kl_coef"):
-        train_ppo.restore_schedules(meta, scheds, "ckpt/meta.json")
+        train_ppo.restore_schedules(meta, scheds, "ckpt/meta.json", adaptive)
     with pytest.raises(checkpoint.CheckpointError, match="scheduler states"):
-        train_ppo.restore_schedules({**meta, "scheduler": {}}, scheds, "ckpt/meta.json")
-    assert train_ppo.restore_schedules({**meta, "kl_coef": 0.05}, scheds, "ckpt/meta.json") == 0.05
+        train_ppo.restore_schedules({**meta, "scheduler": {}}, scheds, "ckpt/meta.json", adaptive)
+    good = {**meta, "kl_coef": 0.05}
+    # the controller's beta from the checkpoint; a fixed one from this run's --kl_coef, which a
+    # resume may change (it was the saved 0.05 whatever the flag said)
+    assert train_ppo.restore_schedules(good, scheds, "ckpt/meta.json", adaptive) == 0.05
+    fixed = train_ppo.Args(kl_coef=0.2, target_kl=0.0)
+    assert train_ppo.restore_schedules(good, scheds, "ckpt/meta.json", fixed) == 0.2
 
 
 def remanifest(path):

@@ -72,6 +72,8 @@ def test_dpo_logs_its_metrics_and_learns(straight):
     training = rows[1:]  # step 0 is the starting evaluation only
     for key in keys:
         assert all(key in r for r in training)
+    # the rate each step trained at: 0 in the one warmup step, then the peak (--lr 1e-4)
+    assert training[0]["train/lr"] == 0.0 and training[1]["train/lr"] == pytest.approx(1e-4)
     last = rows[-1]
     assert last["rewards/margins"] == pytest.approx(
         last["rewards/chosen"] - last["rewards/rejected"], abs=1e-5

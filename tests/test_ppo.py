@@ -113,8 +113,8 @@ def test_grpo_with_reward_model_and_hf_engine(tmp_path, sft_model):
     rows = metrics(out)
     assert len(rows) == 3 and "val/loss" not in rows[1] and "policy/kl_loss" in rows[1]
     # warmup over both iterations: the first updates at lr 0, the second at half of --lr (1e-4);
-    # train/lr is the rate after each iteration's scheduler step
-    assert [row.get("train/lr") for row in rows] == [None, 5e-5, 0.0]  # row 0: the start's eval
+    # train/lr is the rate each iteration trained at
+    assert [row.get("train/lr") for row in rows] == [None, 0.0, 5e-5]  # row 0: the start's eval
     assert rows[1]["policy/first_ratio_dev"] == 0.0
     # the adaptive controller moved
     assert rows[2]["objective/kl_coef"] != rows[1]["objective/kl_coef"]

@@ -5,6 +5,7 @@ import math
 import os
 import pickle
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -392,6 +393,14 @@ def test_a_response_is_tokenized_as_it_continues_its_prompt():
     assert bpe.convert_ids_to_tokens(common.encode_response(bpe, "a: ", "82")) == ["8", "2"]
 
 
+def test_an_empty_prompt_without_a_bos_is_refused():
+    """GPT-2's tokenizer adds no BOS: an empty prompt leaves the response's first token nothing
+    to be predicted from (SFT counted it in its loss's denominator all the same)."""
+    tok = bpe_merging_tokenizer()
+    with pytest.raises(SystemExit, match="x.jsonl:3: the prompt has no tokens"):
+        train_sft.encode(tok, {"prompt": "", "response": "82"}, 64, "x.jsonl:3")
+
+
 def test_a_token_across_the_join_is_never_dropped():
     """Unknown characters fuse into one <unk> (the tests' character tokenizers have no "\\n"):
     after a prompt ending in one, a response starting with one keeps its <unk>."""
@@ -477,3 +486,16 @@ def test_a_response_ends_as_the_chat_template_ends_a_turn():
     assert common.response_end_id(plain) == plain.eos_token_id
     plain.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     assert common.response_end_id(plain) == plain.eos_token_id
+
+
+def test_building_the_tiny_model_leaves_the_callers_rng_alone(tmp_path):
+    """ensure_tiny_model seeds its own weights (the same on every machine); a stage calls it after
+    seeding every RNG with seed + rank, whose stream must not be reset to the model's seed."""
+    for name in os.listdir(task.TINY_MODEL):
+        if name != "model.safetensors":
+            shutil.copy(os.path.join(task.TINY_MODEL, name), tmp_path)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    task.ensure_tiny_model(str(tmp_path))
+    assert (tmp_path / "model.safetensors").exists()
+    assert torch.equal(torch.get_rng_state(), before)
