@@ -425,7 +425,6 @@ def eval_share(items):
     return mine + [items[0]] * (per_rank - counted), counted
 
 
-@torch.no_grad()
 def decode_budget(tok, examples):
     """How many tokens greedy_accuracy decodes for held-out {"prompt", "response"} examples: the
     longest response, and its EOS."""
@@ -468,6 +467,7 @@ def context_length(model_path, config):
     )
 
 
+@torch.no_grad()
 def greedy_accuracy(model, tok, examples, stop_ids, device, batch_size=64):
     """Exact-match accuracy of greedy decoding on {"prompt", "response"} examples, by the
     FSDP2-sharded model itself (no unsharded copy): SFT's and DPO's `eval/accuracy`. Collective:
@@ -720,14 +720,18 @@ def stop_token_ids(tok, generation_config):
 RESPONSE_MARK = "PLAINRLHF RESPONSE"
 
 
-@functools.cache
 def response_end_id(tok):
     """The token every response ends with, trained on (SFT, RM, DPO) and stopped at: where the
     chat template ends an assistant turn with a special token (ChatML's <|im_end|>, Gemma's
     <end_of_turn>, Phi-3's <|end|>), that token, which may not be the tokenizer's EOS (Gemma's
     <eos>, Qwen2.5 base's <|endoftext|>): a model tuned from a chat model keeps ending its turns
     as it was taught. Otherwise, and without a template, the tokenizer's EOS."""
-    if not tok.chat_template:
+    return _response_end_id(tok, tok.chat_template)
+
+
+@functools.cache  # per tokenizer and template (SFT asks once per example)
+def _response_end_id(tok, chat_template):
+    if not chat_template:
         return tok.eos_token_id
     messages = [
         {"role": "user", "content": "1+1="},
@@ -742,6 +746,8 @@ def response_end_id(tok):
     after = tok(text.split(RESPONSE_MARK, 1)[1], add_special_tokens=False).input_ids
     special = set(tok.all_special_ids)
     special |= {i for i, added in tok.added_tokens_decoder.items() if added.special}
+    # not a turn's end: what a character the vocabulary lacks becomes, padding, a text's start
+    special -= {tok.unk_token_id, tok.pad_token_id, tok.bos_token_id}
     if after and after[0] in special:
         return after[0]
     return tok.eos_token_id
