@@ -598,6 +598,25 @@ def check_args(args, world):
             f"error: --advantage_estimator {args.advantage_estimator} compares the samples of a "
             f"prompt: expected --n_samples_per_prompt >= 2, got {n}"
         )
+    check_gae_only_flags(args)
+
+
+# Flags of GAE and its critic, which grpo and rloo have none of: set there, they would do nothing.
+GAE_ONLY = ("gamma", "lam", "whiten_rewards", "critic_lr", "cliprange_value")
+
+
+def check_gae_only_flags(args):
+    """With --advantage_estimator grpo or rloo, a GAE or critic flag moved from its default is
+    refused in one line, not silently ignored."""
+    if args.advantage_estimator == "gae":
+        return
+    defaults = Args()
+    moved = [f"--{name}" for name in GAE_ONLY if getattr(args, name) != getattr(defaults, name)]
+    if moved:
+        raise SystemExit(
+            f"error: {', '.join(moved)} apply to --advantage_estimator gae (GAE and its critic) "
+            f"only; {args.advantage_estimator} has no critic and uses neither"
+        )
 
 
 # ---- the phases of one iteration ---------------------------------------------------------------

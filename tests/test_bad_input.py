@@ -363,3 +363,14 @@ def test_dpo_bad_input(tmp_path, extra, needles):
     args = ("--model", task.TINY_MODEL, "--out_dir", tmp_path / "out", "--max_steps", 1)
     p = run_py("train_dpo.py", *args, *extra)
     assert_one_line_error(p, *needles)
+
+
+def test_gae_only_flags_with_grpo_are_refused():
+    """grpo and rloo have no critic and no GAE: --gamma or --critic_lr there did nothing."""
+    import train_ppo
+
+    args = train_ppo.Args(advantage_estimator="grpo", critic_lr=1e-4, gamma=0.99)
+    with pytest.raises(SystemExit, match="--gamma, --critic_lr apply to --advantage_estimator gae"):
+        train_ppo.check_gae_only_flags(args)
+    train_ppo.check_gae_only_flags(train_ppo.Args(advantage_estimator="rloo"))  # defaults: fine
+    train_ppo.check_gae_only_flags(train_ppo.Args(gamma=0.99))  # gae takes them
