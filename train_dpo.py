@@ -334,8 +334,8 @@ def main(args):
     reference.eval()
     # The policy stays in eval mode (from_pretrained's), dropout off, as in the DPO authors' code
     # (`disable_dropout`) and TRL's (`disable_dropout=True`): the implicit reward
-    # β·log(π/π_ref) then compares the two models themselves, not a dropout mask, and at step 1 the
-    # loss is exactly log 2 for any model.
+    # β·log(π/π_ref) then compares the two models themselves, not a dropout mask, and at step 1
+    # the loss is exactly log 2 for any model.
     model.eval()
     # The model folder's generation_config goes to the export (with the responses' end among its
     # stop ids); greedy evaluation runs with no decoding defaults of the model's own (cf.
