@@ -705,8 +705,9 @@ def stop_token_ids(tok, generation_config):
     (Qwen-Instruct lists two). Both engines and the evaluations stop at this one set, and a
     response is `finished` when it ends with one of them."""
     ids = [tok.eos_token_id]
-    if response_end_id(tok) not in ids:
-        ids.append(response_end_id(tok))
+    end = response_end_id(tok)
+    if end not in ids:
+        ids.append(end)
     extra = generation_config.eos_token_id
     if isinstance(extra, int):
         extra = [extra]
