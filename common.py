@@ -451,18 +451,18 @@ def check_held_out(tok, examples, max_len, source):
             )
 
 
-def context_length(model_path, config):
+def context_length(model_path, config, flag="--model"):
     """The longest sequence the model takes: `max_position_embeddings` (GPT-2's n_positions is
     mapped to it), read on the text model's config of a multimodal wrapper (Gemma 3 from 4B up
     loads as Gemma3ForConditionalGeneration, its limits in `text_config`). A family that names
-    none under the usual names is refused in one line, not trained without a check."""
+    none under the usual names is refused in one line (naming `flag`), not trained unchecked."""
     text_config = config.get_text_config()
     for name in ("max_position_embeddings", "max_seq_len", "seq_length"):
         value = getattr(text_config, name, None)
         if type(value) is int and value > 0:
             return value
     raise SystemExit(
-        f"error: --model {model_path}: its config ({type(config).__name__}) names no context "
+        f"error: {flag} {model_path}: its config ({type(config).__name__}) names no context "
         "length (max_position_embeddings); this model family is not supported"
     )
 

@@ -454,6 +454,7 @@ class Models:
     reward_model: torch.nn.Module | None  # --reward_model only; else --reward_fn scores
     reward_tokenizer: object = None  # the reward model's own tokenizer
     reward_norm: tuple | None = None  # (mean, std) of the reward model's score, or None: raw
+    reward_context: int = 0  # the longest sequence the reward model takes (its own tokens)
 
 
 def build_models(args, device):
@@ -486,6 +487,9 @@ def build_models(args, device):
         reward_model.config.pad_token_id = reward_tok.pad_token_id
         models.reward_model = reward_model.requires_grad_(False)
         models.reward_tokenizer = reward_tok
+        models.reward_context = common.context_length(
+            args.reward_model, reward_model.config, "--reward_model"
+        )
         if args.reward_norm:
             models.reward_norm = reward_normalisation(reward_model.config, args.reward_model)
     if args.gradient_checkpointing:  # the trained models; the frozen ones keep no activations
@@ -669,6 +673,7 @@ def score(args, tok, models, prompt_texts, responses, finished, device):
         return rule_scores(args.reward_fn, prompt_texts, texts)
     reward_tok = models.reward_tokenizer
     sequences = reward_model_inputs(reward_tok, prompt_texts, texts, finished)
+    check_reward_context(args.reward_model, models.reward_context, sequences, prompt_texts)
     scores = reward_model_scores(
         models.reward_model, sequences, reward_tok.pad_token_id, args.micro_batch_size, device
     )
@@ -699,6 +704,20 @@ def reward_model_inputs(reward_tok, prompt_texts, response_texts, finished):
             ids = ids + [common.response_end_id(reward_tok)]
         sequences.append(ids)
     return sequences
+
+
+def check_reward_context(where, context, sequences, prompt_texts):
+    """The reward model's input, re-encoded by its own tokenizer, must fit its context: the
+    policy's limit (prompt + --max_new_tokens, checked at start) counts the policy's tokens, and
+    another tokenizer may need more. Past its context a model with learned positions (GPT-2)
+    fails with an IndexError, and a rotary one scores positions it never saw; so one line here."""
+    for ids, prompt in zip(sequences, prompt_texts):
+        if len(ids) > context:
+            raise SystemExit(
+                f"error: --reward_model {where} takes at most {context} tokens; the prompt "
+                f"{prompt[:60]!r} and its response come to {len(ids)} in its tokenizer "
+                "(lower --max_new_tokens, or shorten the prompts)"
+            )
 
 
 def reward_model_scores(reward_model, sequences, pad_id, micro_batch_size, device):

@@ -374,3 +374,26 @@ def test_gae_only_flags_with_grpo_are_refused():
         train_ppo.check_gae_only_flags(args)
     train_ppo.check_gae_only_flags(train_ppo.Args(advantage_estimator="rloo"))  # defaults: fine
     train_ppo.check_gae_only_flags(train_ppo.Args(gamma=0.99))  # gae takes them
+
+
+def test_a_reward_model_input_longer_than_its_context(tmp_path):
+    """PPO re-encodes each response with the reward model's own tokenizer, so the policy's context
+    check (prompt + --max_new_tokens) does not bound it. Past its context a learned position table
+    (GPT-2) fails with an IndexError, and a rotary one (this tiny Llama, its context set to 8
+    tokens) scored positions it never saw, silently: the run exited 0."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoTokenizer
+
+    import task
+
+    task.ensure_tiny_model()
+    reward_dir = tmp_path / "rm"
+    reward_model = AutoModelForSequenceClassification.from_pretrained(
+        task.TINY_MODEL, num_labels=1, max_position_embeddings=8
+    )
+    reward_model.save_pretrained(reward_dir)
+    AutoTokenizer.from_pretrained(task.TINY_MODEL).save_pretrained(reward_dir)
+    args = ("--model", task.TINY_MODEL, "--out_dir", tmp_path / "out", "--rollout_engine", "hf")
+    args += ("--reward_model", reward_dir, "--eval_samples", 4, "--max_steps", 1)
+    p = run_py("train_ppo.py", *args)
+    assert_one_line_error(p, f"--reward_model {reward_dir} takes at most 8 tokens", "come to")
