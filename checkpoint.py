@@ -456,9 +456,12 @@ def _step_dirs(root):
 def _read_latest(root):
     """The checkpoint name in root/latest; None if there is none, or no sensible one."""
     if objstore.is_url(root):
+        # Only a `latest` that is not there, or not a name, is none: a store that fails to answer
+        # raises (StoreError), or a resume would take every step for a candidate, an abandoned
+        # branch's newer ones first.
         try:
             name = objstore.read_bytes(os.path.join(root, "latest"), 64).decode().strip()
-        except (OSError, objstore.StoreError, ValueError):
+        except (FileNotFoundError, ValueError):
             return None
         return _step_name_or_none(name)
     try:
@@ -794,7 +797,10 @@ def _agree(fn, tmp, name, on_error):
     if not bad:
         return True
     _remove_unfinished(tmp)
-    previous = _read_latest(os.path.dirname(tmp))
+    try:
+        previous = _read_latest(os.path.dirname(tmp))
+    except (OSError, objstore.StoreError):
+        previous = None  # the store unreachable: said from what this run knows, below
     kept = "no checkpoint is committed yet"
     if previous is None and objstore.is_url(tmp) and _run.get("latest"):
         # the store unreachable: `latest` was not replaced (that comes after every write)
@@ -834,8 +840,15 @@ def _clear_step(tmp, name, on_error):
     before it), manifest first; False if that failed (with on_error 'warn')."""
 
     def clear():
-        if dist.get_rank() == 0:
-            objstore.remove_prefix(tmp)
+        if dist.get_rank() != 0:
+            return
+        root = os.path.dirname(tmp)
+        if _read_latest(root) == name and _run.get("branch"):
+            # `latest` names the step about to go: it names this run's own newest checkpoint
+            # first (the one resumed from, or saved since), so that, should this save fail,
+            # it never names a deleted step
+            objstore.write_bytes(os.path.join(root, "latest"), (_run["branch"] + "\n").encode())
+        objstore.remove_prefix(tmp)
 
     # the _agree() round makes every rank wait for rank 0's deletion before writing
     return _agree(clear, tmp, name, on_error)
@@ -985,6 +998,7 @@ def commit():
     if not _agree(publish, tmp, name, on_error):
         return None
     _run["latest"] = name  # every rank: `publish` succeeded on rank 0
+    _run["branch"] = name
     if dist.get_rank() == 0:
         _prune(root, step, keep_last)
     return final
@@ -1030,17 +1044,24 @@ def _prune(root, step, keep_last):
         return
     try:
         names, _ = _step_dirs(root)
-    except (CheckpointError, OSError) as e:  # out of reach: rank 0 alone must not fail here
+    # out of reach: rank 0 alone must not fail here
+    except (CheckpointError, OSError, objstore.StoreError) as e:
         print(f"WARNING: pruning old checkpoints skipped ({e}); the next save retries", flush=True)
         return
     older = [n for n in names if _step_of(n) < step]  # newest first
     # step-N is the newest kept: keep_last - 1 older ones stay with it
     pruned = older[keep_last - 1 :]
     for name in pruned:
-        if objstore.is_url(root):  # manifest first: a kill leaves an uncommitted step
-            _remove_unfinished(os.path.join(root, name))
-        else:
+        if not objstore.is_url(root):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            continue
+        # Not `_remove_unfinished`, which keeps any prefix holding a manifest: these are committed.
+        # remove_prefix deletes the manifest first, so a kill leaves an uncommitted step.
+        try:
+            objstore.remove_prefix(os.path.join(root, name))
+        except (OSError, objstore.StoreError) as e:
+            print(f"WARNING: pruning {name} skipped ({e}); the next save retries", flush=True)
+            return
 
 
 def boundary(step, every, minutes, signalled, device):
@@ -1077,6 +1098,7 @@ def resolve(out_dir, resume):
     path, error = _choose(plan[0], resume)
     if error:
         raise CheckpointError(error)
+    _run["branch"] = os.path.basename(path)  # this run's newest checkpoint ('' = none yet)
     return path
 
 
@@ -1120,11 +1142,12 @@ def _start_store(out_dir, resume):
             if "manifest.json" not in objstore.listing(os.path.join(root, name)):
                 objstore.remove_prefix(os.path.join(root, name))
         paths, error = _candidates(root, resume)
+        latest = _read_latest(root)
     except CheckpointError as e:
         return [[], str(e), None]
     except (OSError, objstore.StoreError) as e:
         return [[], f"{out_dir}: {describe(e)}", None]
-    return [paths, error, run_id, _read_latest(root)]
+    return [paths, error, run_id, latest]
 
 
 def _lock(out_dir):

@@ -259,6 +259,10 @@ def test_sigkills_during_saves_then_resume(store, straight, addition_jsonl, tmp_
         assert proc.returncode == 0, out[-3000:]
     assert mid_save, "no kill landed in the middle of a save"
     assert not unfinished(fs, "kills")  # the starts deleted them
+    # --keep_last 2: the last two steps, and nothing older
+    fs.invalidate_cache()
+    kept = sorted(os.path.basename(p) for p in fs.ls(f"{BUCKET}/kills/checkpoints/"))
+    assert kept == ["latest", f"step-{N - 1:08d}", f"step-{N:08d}"], kept
     assert_same_tensors(latest(straight), latest(fetch(fs, url, tmp_path / "copy")))
 
 
@@ -351,6 +355,67 @@ def test_a_failed_save_never_removes_a_committed_prefix(store, tmp_path):
             dist.destroy_process_group()
     fs.invalidate_cache()
     assert not fs.exists(f"{BUCKET}/crafted/committed/a.bin")
+
+
+def test_keep_last_prunes_committed_checkpoints_on_the_store(store, tmp_path):
+    """--keep_last on a store deletes the committed steps older than the newest kept (manifest
+    first); steps newer than the one just saved (an abandoned branch) stay. A failed save's
+    clean-up keeps any prefix with a manifest: pruning must not go through it (it once did, and
+    a store run kept every checkpoint)."""
+    import torch.distributed as dist
+
+    import checkpoint
+
+    fs, _ = store
+    for k in (1, 2, 3, 5):
+        small_on_store(fs, tmp_path, f"step-{k:08d}")
+    root = f"s3://{BUCKET}/crafted"
+    owned = not dist.is_initialized()  # as a run has one (the clean-up it once used asks for it)
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        checkpoint._prune(root, 3, 2)  # step-3 just committed; step-5 is an abandoned branch
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    fs.invalidate_cache()
+    left = sorted(os.path.basename(p) for p in fs.ls(f"{BUCKET}/crafted/"))
+    assert [n for n in left if n.startswith("step-")] == [f"step-{k:08d}" for k in (2, 3, 5)]
+    assert checkpoint.verify(f"{root}/step-00000002")["step"] == 1  # the kept ones are whole
+
+
+def test_an_abandoned_latest_is_repointed_before_it_is_deleted(store, tmp_path):
+    """A run resumed from step-1 while `latest` names step-2 (a --resume PATH, or a fallback)
+    deletes step-2 before saving its own step 2 there: `latest` first names the run's own
+    checkpoint, so a save failing after the deletion leaves it naming one that verifies."""
+    import torch.distributed as dist
+
+    import checkpoint
+    from conftest import write_small_checkpoint
+
+    fs, _ = store
+    root = f"s3://{BUCKET}/branch/checkpoints"
+    for k in (1, 2):
+        local = tmp_path / f"step-{k}"
+        local.mkdir()
+        write_small_checkpoint(local)
+        fs.put(str(local) + "/", f"{BUCKET}/branch/checkpoints/step-{k:08d}/", recursive=True)
+    fs.pipe_file(f"{BUCKET}/branch/checkpoints/latest", b"step-00000002\n")
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    checkpoint._run["branch"] = "step-00000001"  # as `resolve` sets it after the resume
+    try:
+        cleared = checkpoint._clear_step(f"{root}/step-00000002", "step-00000002", "warn")
+    finally:
+        checkpoint._run.pop("branch")
+        if owned:
+            dist.destroy_process_group()
+    assert cleared
+    fs.invalidate_cache()
+    assert not fs.exists(f"{BUCKET}/branch/checkpoints/step-00000002/manifest.json")
+    assert store_latest(fs, f"s3://{BUCKET}/branch") == "step-00000001"
+    assert checkpoint.verify(f"{root}/step-00000001")["step"] == 1
 
 
 def test_crafted_manifests_and_objects_on_the_store(store, tmp_path):
