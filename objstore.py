@@ -16,6 +16,7 @@ import atexit
 import functools
 import hashlib
 import json
+import math
 import os
 import socket
 import threading
@@ -27,6 +28,9 @@ SMALL_CAP = 16 << 20
 # lock older than LEASE_S (a run killed on another machine), or one whose process is gone on
 # this machine.
 LEASE_S = 600
+# The largest pid Linux gives (/proc/sys/kernel/pid_max at most 2**22): a lock naming a pid
+# beyond it was not written by a process here (os.kill would raise OverflowError on some).
+PID_MAX = 1 << 22
 
 
 class StoreError(RuntimeError):
@@ -208,13 +212,14 @@ def take_lock(out_dir, run_id):
             write_bytes(url, json.dumps({**body, "time": time.time()}).encode(), create=True)
         except FileExistsError:
             holder = _lock_holder(url)
-            if not _stale(holder):
+            if holder is not None and not _stale(holder):
                 raise StoreError(
-                    f"{out_dir}: another run is using this --out_dir (it holds {url}: {holder}); "
+                    f"{out_dir}: another run is using this --out_dir (it holds {url}: "
+                    f"{repr(holder)[:200]}); "
                     "nothing was changed: wait for it to end, or use another --out_dir"
                 ) from None
-            fs, path = fs_of(url)
-            fs.rm_file(path)
+            if holder is not None:
+                remove_object(url)
             continue
         thread = threading.Thread(target=_renew, args=(url, body), daemon=True)
         thread.start()
@@ -224,24 +229,42 @@ def take_lock(out_dir, run_id):
 
 
 def _lock_holder(url):
+    """The lock's holder as a dict; {} for a lock that is no JSON object (a crafted one: nobody
+    holds it); None if it is gone. A lock that cannot be read (the store erring) is one
+    StoreError: taken for stale, it would let two runs share the --out_dir."""
     try:
         holder = json.loads(read_bytes(url, SMALL_CAP))
-    except (OSError, ValueError, StoreError):
-        return {}  # unreadable or gone: no live holder to protect
+    except FileNotFoundError:
+        return None
+    except (OSError, StoreError) as e:
+        raise StoreError(f"{url}: the run lock cannot be read ({e}); try again") from None
+    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError)
+        return {}
     if type(holder) is not dict:
         return {}
     return holder
 
 
 def _stale(holder):
-    """A lock nobody holds: its lease ran out, or its process on this machine is gone."""
+    """A lock nobody holds: its lease ran out, or its process on this machine is gone. A time that
+    is no finite number, or further ahead than a lease (crafted, or a clock far off), holds no
+    lease; a pid that no process can have is not checked (its lease decides)."""
     when = holder.get("time")
-    if type(when) not in (int, float) or time.time() - when > LEASE_S:
+    if type(when) not in (int, float):
         return True
-    if holder.get("host") != socket.gethostname() or type(holder.get("pid")) is not int:
-        return False  # another machine's live lease: only its expiry frees it
     try:
-        os.kill(holder["pid"], 0)
+        age = time.time() - float(when)
+    except OverflowError:  # an integer of 400 digits
+        return True
+    if not math.isfinite(age) or abs(age) > LEASE_S:
+        return True
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or type(pid) is not int:
+        return False  # another machine's live lease: only its expiry frees it
+    if not 0 < pid <= PID_MAX:
+        return False
+    try:
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except PermissionError:
@@ -249,13 +272,23 @@ def _stale(holder):
     return False
 
 
+@_translated
+def remove_object(url):
+    """Delete one object; one already gone is fine (another run removed the stale lock first)."""
+    fs, path = fs_of(url)
+    try:
+        fs.rm_file(path)
+    except FileNotFoundError:
+        pass
+
+
 def _release(url, run_id):
     """Delete the lock if it is still this run's (a killed process never gets here: its lock is
     taken over as stale)."""
     try:
-        if _lock_holder(url).get("run") == run_id:
-            fs, path = fs_of(url)
-            fs.rm_file(path)
+        holder = _lock_holder(url)
+        if holder is not None and holder.get("run") == run_id:
+            remove_object(url)
     except Exception:  # noqa: BLE001 - exiting anyway; the lease frees it later
         pass
 

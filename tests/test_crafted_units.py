@@ -304,3 +304,87 @@ def test_step_names_in_other_digits_are_not_checkpoints(tmp_path):
     (root / "step-²").mkdir()
     (root / "latest").write_text("step-²\n")
     assert checkpoint._step_dirs(str(root)) == (["step-00000001"], None)
+
+
+# ---- the run lock on a store (objstore.py), on fsspec's in-memory store ------------------------
+@pytest.mark.parametrize(
+    "body",
+    [
+        "[" * 100_000,  # RecursionError in json.loads
+        '{"time": Infinity}',
+        '{"time": 1' + "0" * 400 + "}",  # float() overflows
+        '{"time": 1e12}',  # ages ahead of any clock: no lease
+        "\xff\xfe",  # not UTF-8
+        "[1, 2]",
+    ],
+    ids=["deep", "infinite-time", "huge-time", "future", "not-utf8", "not-an-object"],
+)
+def test_a_crafted_lock_is_taken_over_without_a_traceback(body):
+    """A lock that holds no valid lease (crafted, or written by no run) is stale: taken over."""
+    import objstore
+
+    url = f"memory://plainrlhf-locks/crafted-{len(body)}-{body[:12]}"
+    fs, path = objstore.fs_of(url)
+    fs.pipe_file(f"{path}/.lock", body.encode("latin-1"))
+    objstore.take_lock(url, "mine")
+    assert json.loads(fs.cat_file(f"{path}/.lock"))["run"] == "mine"
+
+
+def test_a_live_lock_naming_an_impossible_pid_is_kept():
+    """Same host, fresh time, a pid beyond pid_max (os.kill raised OverflowError): its lease
+    decides, and it has not run out."""
+    import socket
+    import time
+
+    import objstore
+
+    url = "memory://plainrlhf-locks/bigpid"
+    fs, path = objstore.fs_of(url)
+    holder = {"run": "theirs", "host": socket.gethostname(), "pid": 2**70, "time": time.time()}
+    fs.pipe_file(f"{path}/.lock", json.dumps(holder).encode())
+    with pytest.raises(objstore.StoreError, match="another run is using this --out_dir"):
+        objstore.take_lock(url, "mine")
+
+
+def test_a_lock_that_cannot_be_read_is_not_taken_over(monkeypatch):
+    """The store failing on the lock's GET (a timeout, a 503) is no sign the holder is gone: the
+    run stops with one line, and the live run's lock stays (it was deleted and taken over)."""
+    import time
+
+    import objstore
+
+    url = "memory://plainrlhf-locks/unreadable"
+    fs, path = objstore.fs_of(url)
+    holder = {"run": "theirs", "host": "elsewhere", "pid": 1, "time": time.time()}
+    fs.pipe_file(f"{path}/.lock", json.dumps(holder).encode())
+
+    def failing(url, limit):
+        raise objstore.StoreError(f"{url}: ReadTimeoutError: read timed out")
+
+    monkeypatch.setattr(objstore, "read_bytes", failing)
+    with pytest.raises(objstore.StoreError, match="the run lock cannot be read"):
+        objstore.take_lock(url, "mine")
+    assert json.loads(fs.cat_file(f"{path}/.lock"))["run"] == "theirs"
+
+
+def test_a_latest_the_store_fails_to_read_stops_the_start(monkeypatch):
+    """`latest` unreadable (the store erring, not the object missing) read as "no latest" made
+    every step a candidate, newest first: a run resumed from before `latest` would have gone on
+    from its abandoned branch. Now the start stops with one line."""
+    import objstore
+
+    url = "memory://plainrlhf-latest/run"
+    fs, path = objstore.fs_of(url)
+    fs.pipe_file(f"{path}/checkpoints/latest", b"step-00000001\n")
+    read = objstore.read_bytes
+
+    def failing(url, limit):
+        if url.endswith("/latest"):
+            raise objstore.StoreError(f"{url}: ReadTimeoutError: read timed out")
+        return read(url, limit)
+
+    monkeypatch.setattr(objstore, "read_bytes", failing)
+    monkeypatch.setitem(checkpoint._run, "lock", (url, None))  # this process holds the lock
+    paths, error, run_id = checkpoint._start_store(url, "latest")
+    assert paths == [] and run_id is None
+    assert "ReadTimeoutError" in error and "latest" in error
