@@ -862,8 +862,11 @@ def ppo_loss(args, models, exp, rows, n_tokens, kl_coef, fill_old):
              + kl_coef * kl_loss        grpo only: the KL to the reference as a loss term (eq. 4)
              + vf_loss                  with a critic: the (clipped) value loss
 
-    Each term is a token mean over the global minibatch (n_tokens). Actor and critic are separate
-    networks, so one backward of the sum sends each term's gradient to its own parameters.
+    Each term is a token mean over the global minibatch (n_tokens), for GRPO too: GRPO's eq. 3
+    averages each response's tokens first, (1/G) sum_i (1/|o_i|) sum_t, which weighs a token of a
+    short response more (Liu et al. 2025, "Dr. GRPO"); the token mean is DAPO's (Yu et al. 2025)
+    and TRL's default. Actor and critic are separate networks, so one backward of the sum sends
+    each term's gradient to its own parameters.
     Returns (loss, stats, ratio [b, R])."""
     batch = exp.batch.select(rows)
     mask = batch.response_mask  # [b, R]
