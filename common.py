@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 import transformers.utils.logging
+from safetensors import SafetensorError
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import OffloadPolicy
@@ -617,8 +618,14 @@ def load_model_and_tokenizer(path, cls, attn_implementation="auto", new_head=Fal
         model, info = classifier_class(config, cls).from_pretrained(
             path, dtype=torch.float32, trust_remote_code=False, output_loading_info=True, **kwargs
         )
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:  # a cut or crafted model.safetensors too
         raise SystemExit(load_error(path, e))
+    except RuntimeError as e:
+        # transformers raises this after logging a report the quiet console hides
+        if "ignore_mismatched_sizes" not in str(e):
+            raise
+        shapes = "weights whose shapes differ from those its config.json gives"
+        raise SystemExit(f"error: --model {path}: cannot load ({shapes})")
     check_all_loaded(path, info["missing_keys"], new_head)
     if tok.eos_token_id is None:
         raise SystemExit(f"error: --model {path}: the tokenizer has no EOS token")

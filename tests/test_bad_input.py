@@ -397,3 +397,39 @@ def test_a_reward_model_input_longer_than_its_context(tmp_path):
     args += ("--reward_model", reward_dir, "--eval_samples", 4, "--max_steps", 1)
     p = run_py("train_ppo.py", *args)
     assert_one_line_error(p, f"--reward_model {reward_dir} takes at most 8 tokens", "come to")
+
+
+def cut_weights(folder):
+    path = folder / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def other_shapes(folder):
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config["intermediate_size"] += 8
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "damage,needle",
+    [
+        (cut_weights, "incomplete metadata, file not fully covered"),
+        (other_shapes, "weights whose shapes differ from those its config.json gives"),
+    ],
+    ids=["cut-safetensors", "shapes-unlike-config"],
+)
+def test_a_damaged_model_folder_is_one_line(tmp_path, damage, needle):
+    """safetensors' own error for a cut file, and transformers' RuntimeError pointing at a report
+    the quiet console hides, were tracebacks."""
+    import shutil
+
+    import task
+
+    task.ensure_tiny_model()
+    model_dir = tmp_path / "model"
+    shutil.copytree(task.TINY_MODEL, model_dir)
+    damage(model_dir)
+    p = run_py("train_sft.py", "--model", model_dir, "--out_dir", tmp_path / "out")
+    assert_one_line_error(p, f"--model {model_dir}: cannot load", needle)
