@@ -78,13 +78,27 @@ run_torchrun() {
   # Preemption: SIGTERM/SIGUSR1 go to the training processes (torchrun's children) only. They finish the
   # step, save and exit 0, so torchrun and this script exit 0; torchrun itself would count SIGTERM as a
   # failure and SIGKILL its workers 30 s later.
-  trap 'pkill -TERM -P "$pid" || true' TERM
-  trap 'pkill -USR1 -P "$pid" || true' USR1
+  # STOPPED tells demo and pipeline not to start the next stage (it would need this one's export).
+  trap 'STOPPED=1; pkill -TERM -P "$pid" || true' TERM
+  trap 'STOPPED=1; pkill -USR1 -P "$pid" || true' USR1
   trap 'kill -INT "$pid" 2>/dev/null || true' INT  # Ctrl-C: torchrun stops its workers
   while true; do
     wait "$pid" && rc=0 || rc=$?
-    kill -0 "$pid" 2>/dev/null || return "$rc"  # a trapped signal interrupts `wait`; torchrun goes on
+    kill -0 "$pid" 2>/dev/null || break  # a trapped signal interrupts `wait`; torchrun goes on
   done
+  # Between stages a signal only marks the stop (the traps above name this call's local pid).
+  trap 'STOPPED=1' TERM USR1
+  trap - INT
+  return "$rc"
+}
+
+# demo and pipeline, after each stage: a stage stopped by SIGTERM/SIGUSR1 saved and exited 0; the
+# next one is not started, and the script exits 0 (a rerun continues: every stage --resume latest).
+stop_if_signalled() {
+  if [ -n "${STOPPED:-}" ]; then
+    echo "stopped by a signal before $1; run the same command again to go on"
+    exit 0
+  fi
 }
 
 cmd=${1:-}; shift || true
@@ -102,7 +116,9 @@ case "$cmd" in
     # steps): its PPO settings and recorded numbers are for that start (README: the demo)
     run_torchrun train_sft.py --out_dir runs/demo/sft --max_steps 400 --train_batch_size 64 \
       --weight_decay 0 --resume latest
+    stop_if_signalled PPO
     run_torchrun train_ppo.py --model runs/demo/sft/hf --out_dir runs/demo/ppo --resume latest
+    stop_if_signalled "the summary"
     "$PY" - <<'PY'
 import json
 acc = lambda p: [r["eval/accuracy"] for r in map(json.loads, open(p)) if "eval/accuracy" in r]
@@ -116,14 +132,17 @@ PY
     t0=$(date +%s)
     # ${X_ARGS:-} unquoted on purpose: split into flags (argparse keeps the last of a repeated one)
     run_torchrun train_sft.py --out_dir "$out/sft" --resume latest ${SFT_ARGS:-}
+    stop_if_signalled "the reward model"
     t1=$(date +%s)
     run_torchrun train_rm.py --model "$out/sft/hf" --out_dir "$out/rm" --resume latest ${RM_ARGS:-}
+    stop_if_signalled PPO
     t2=$(date +%s)
     # 50 iterations at --lr 2e-5: SFT's weight decay leaves small weights, which PPO's default
     # 1e-4 moves too far per step (README: the pipeline); 50 keep the pipeline near 11 minutes
     run_torchrun train_ppo.py --model "$out/sft/hf" --reward_model "$out/rm/hf" \
       --gold_reward_fn task:reward_fn --out_dir "$out/ppo" --max_steps 50 --lr 2e-5 \
       --resume latest ${PPO_ARGS:-}
+    stop_if_signalled "the summary"
     t3=$(date +%s)
     "$PY" - "$out" "$t0" "$t1" "$t2" "$t3" <<'PY'
 import json

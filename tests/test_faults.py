@@ -40,7 +40,10 @@ def popen(out, data, *extra, log=None):
     args = sft(out, data, *extra)
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", script, *map(str, args)]
     stdout = log or subprocess.DEVNULL
-    return subprocess.Popen(cmd, cwd=REPO, stdout=stdout, stderr=subprocess.STDOUT, text=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # a killed run's lines are in the log
+    return subprocess.Popen(
+        cmd, cwd=REPO, stdout=stdout, stderr=subprocess.STDOUT, text=True, env=env
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +75,13 @@ def test_random_sigkills_then_resume_end_with_the_same_weights(tmp_path, straigh
     for attempt in range(6):
         async_save = ["false", "true"][attempt % 2]
         flags = ("--save_every", 1, "--keep_last", 2, "--resume", "latest")
-        proc = popen(out, addition_jsonl, *flags, "--async_save", async_save)
+        log_path = os.path.join(out, f"attempt-{attempt}.log")
+        resume_from = None
+        if os.path.exists(os.path.join(root, "latest")):
+            resume_from = latest(out)
+        # unbuffered: what rank 0 printed before the kill is in the log
+        with open(log_path, "w") as log:
+            proc = popen(out, addition_jsonl, *flags, "--async_save", async_save, log=log)
         done = logged_steps(out)
         if attempt < 5:
             try:
@@ -89,10 +98,19 @@ def test_random_sigkills_then_resume_end_with_the_same_weights(tmp_path, straigh
                     wait_for(lambda: logged_steps(out) > done, proc)
                     time.sleep(rng.uniform(0, 0.6))
             except AssertionError:
-                break  # it finished first: fine, the comparison below still holds
-            moments.append((attempt, logged_steps(out), sorted(os.listdir(root))))
-            kill_tree(proc.pid)
+                # it finished first: fine, the comparison below still holds (if it succeeded)
+                assert proc.wait() == 0, open(log_path).read()[-3000:]
+                break
+            status = kill_tree(proc.pid)
             proc.wait()
+            if status == 0:
+                break  # it finished between the moment and the kill
+            assert status == -9, open(log_path).read()[-3000:]
+            moments.append((attempt, logged_steps(out), sorted(os.listdir(root))))
+            if resume_from:  # a new step was logged, so the start is behind it: it resumed
+                step = int(os.path.basename(resume_from).removeprefix("step-"))
+                want = f"resumed from {resume_from} at step {step}"
+                assert want in open(log_path).read(), (want, open(log_path).read()[-2000:])
             if not os.path.exists(os.path.join(root, "latest")):
                 # killed before the first save committed (a slow machine: step 1 logged, its save
                 # still running): nothing to verify; the next start begins again from step 0,
@@ -102,6 +120,8 @@ def test_random_sigkills_then_resume_end_with_the_same_weights(tmp_path, straigh
             assert p.returncode == 0, (moments, p.stderr)
         else:
             assert proc.wait(timeout=600) == 0, moments
+            if resume_from:
+                assert f"resumed from {resume_from}" in open(log_path).read()
     assert len(moments) >= 4, moments
     assert_same_tensors(latest(straight), latest(out))
     assert metrics(straight) == metrics(out)
@@ -134,6 +154,29 @@ def test_sigterm_to_the_launcher_saves_at_the_step_and_exits_0(tmp_path, straigh
     run("train_sft.py", *sft(out, addition_jsonl, "--resume", "latest"))
     assert_same_tensors(latest(straight), latest(out))
     assert metrics(straight) == metrics(out)
+
+
+def test_a_pipeline_stopped_by_sigterm_starts_no_next_stage(tmp_path, addition_jsonl):
+    """SIGTERM to `./launch.sh pipeline` during SFT: SFT saves and exits 0, and the reward model's
+    stage, which needs SFT's export, is not started (it was, and failed: `--model .../sft/hf: no
+    such folder`, exit 1); the script exits 0 saying how to go on."""
+    env = {**os.environ, "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())}
+    flags = list(sft("OUT", addition_jsonl, "--max_steps", 1000))
+    at = flags.index("--out_dir")
+    del flags[at : at + 2]  # OUT_DIR places each stage's
+    env["SFT_ARGS"] = " ".join(map(str, flags))
+    env["OUT_DIR"] = str(tmp_path)
+    cmd = ["bash", os.path.join(REPO, "launch.sh"), "pipeline"]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    wait_for(lambda: logged_steps(str(tmp_path / "sft")) >= 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, log[-3000:]
+    assert "stopped by a signal before the reward model" in log, log[-3000:]
+    assert latest(str(tmp_path / "sft"))  # SFT saved where it stopped
+    assert not (tmp_path / "rm").exists(), log[-3000:]
 
 
 def test_sigusr1_on_one_rank_stops_every_rank(tmp_path, addition_jsonl):
