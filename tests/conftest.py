@@ -46,7 +46,9 @@ def run_py(*args, check=False, timeout=300, env=None):
 
 def kill_tree(pid, sig=9):
     """SIGKILL torchrun and its workers
-    (they sit in sessions of their own, so killpg misses them)."""
+    (they sit in sessions of their own, so killpg misses them). Returns pid's exit status: -sig
+    if the signal ended it, 0 if it had finished first. psutil reaps it here, so a Popen's own
+    wait() afterwards reads 0 whatever happened: use this."""
     import psutil
 
     procs = [psutil.Process(pid)]
@@ -56,7 +58,8 @@ def kill_tree(pid, sig=9):
             p.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(procs, timeout=30)
+    gone, _ = psutil.wait_procs(procs, timeout=30)
+    return {p.pid: p.returncode for p in gone}.get(pid)
 
 
 def logged_steps(out):

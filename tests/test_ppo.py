@@ -202,7 +202,7 @@ def test_sigkills_mid_ppo_then_resume_is_exact(tmp_path, straight, sft_model):
         else:
             wait_for(saving, proc)
         moments.append((attempt, logged_steps(out), sorted(os.listdir(root))))
-        kill_tree(proc.pid)
+        assert kill_tree(proc.pid) == -9, moments  # it landed: the run had not ended
         proc.wait()
     p = run("train_ppo.py", *args)
     assert "resumed from" in p.stdout + p.stderr, moments

@@ -103,15 +103,19 @@ def test_sigkill_during_save_leaves_a_verified_latest(tmp_path, straight, additi
     while proc.poll() is None:  # kill the whole group the moment a save is under way
         names = os.listdir(root) if os.path.isdir(root) else []
         if "latest" in names and any(n.startswith(".tmp-") for n in names):
-            kill_tree(proc.pid)
-            killed_in_save = True
+            killed_in_save = kill_tree(proc.pid) == -9  # not if the run had ended just then
             break
         time.sleep(0.002)
     proc.wait()
     assert killed_in_save, "the run finished before a save could be interrupted"
     p = run_py("checkpoint.py", "verify", latest(out))
     assert p.returncode == 0, p.stderr
-    run("train_sft.py", *sft(out, addition_jsonl, "--resume", "latest", "--save_every", 1))
+    before = latest(out)
+    k = int(os.path.basename(before).removeprefix("step-"))
+    args = sft(out, addition_jsonl, "--resume", "latest", "--save_every", 1)
+    p = run("train_sft.py", *args)
+    # it went on from the checkpoint (a start from scratch would end with the same weights)
+    assert f"resumed from {before} at step {k}" in p.stdout, p.stdout[-2000:]
     assert not [n for n in os.listdir(root) if n.startswith(".tmp-")]
     assert_same_tensors(latest(straight), latest(out))
 

@@ -241,22 +241,24 @@ def test_sigkills_during_saves_then_resume(store, straight, addition_jsonl, tmp_
     mid_save = []
     for attempt in range(4):
         async_save = ["false", "true"][attempt % 2]  # DCP's background writer to the store too
+        stale = set(unfinished(fs, "kills"))  # a killed save's, until this start deletes it
         proc = popen(url, addition_jsonl, *flags, "--async_save", async_save)
         if attempt < 3:
             done = logged_steps(local)
             t0 = time.time()
             while proc.poll() is None and time.time() - t0 < 300:
-                if attempt != 1 and unfinished(fs, "kills"):
-                    break  # a save is being written
+                if attempt != 1 and set(unfinished(fs, "kills")) - stale:
+                    break  # a save of this run's is being written
                 if attempt == 1 and logged_steps(local) > done:
                     time.sleep(rng.uniform(0.0, 1.5))  # anywhere: in a step or a save
                     break
                 time.sleep(0.01)
-            kill_tree(proc.pid)
-            mid_save += unfinished(fs, "kills")
+            assert kill_tree(proc.pid) == -9, attempt  # it landed: the run had not ended
+            mid_save += sorted(set(unfinished(fs, "kills")) - stale)
             continue
         out, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, out[-3000:]
+        assert "resumed from" in out, out[-3000:]
     assert mid_save, "no kill landed in the middle of a save"
     assert not unfinished(fs, "kills")  # the starts deleted them
     # --keep_last 2: the last two steps, and nothing older
