@@ -85,7 +85,8 @@ def parse_args(cls, limits):
     work, with one line naming the flag."""
     docs = field_docs(cls)
     description = sys.modules[cls.__module__].__doc__.split("\n")[0]
-    parser = ArgumentParser(description=description)
+    # allow_abbrev off: `--max_step 5` is refused, not taken silently for --max_steps
+    parser = ArgumentParser(description=description, allow_abbrev=False)
     for f in dataclasses.fields(cls):
         choices = typing.get_args(f.type) or None  # typing.Literal["stop", "warn"]
         kind = f.type
@@ -98,6 +99,11 @@ def parse_args(cls, limits):
             f"--{f.name}", type=kind, choices=choices, default=f.default, help=help_text
         )
     args = cls(**vars(parser.parse_args()))
+    if not args.out_dir:
+        raise SystemExit("error: --out_dir: expected a folder or a store URL, got ''")
+    for flag in ("out_dir", "resume"):
+        if getattr(args, flag) == "file://":  # the local path '' (--resume '' is no resume)
+            raise SystemExit(f"error: --{flag} file://: expected a path after file://")
     args.out_dir = objstore.local_path(args.out_dir)  # file:///x is the local /x
     args.resume = objstore.local_path(args.resume)
     for flag in ("out_dir", "resume"):
@@ -295,8 +301,11 @@ def load_jsonl(path, fields):
         raise SystemExit(f"error: {path}: no such file")
     rows = []
     for n, raw in enumerate(open(path, "rb"), 1):
+        encoding = "utf-8"
+        if n == 1:
+            encoding = "utf-8-sig"  # a byte-order mark, as Notepad and PowerShell write one
         try:
-            line = raw.decode("utf-8")
+            line = raw.decode(encoding)
         except UnicodeDecodeError as e:
             raise SystemExit(f"error: {path}:{n}: not valid UTF-8 (byte {e.start} of the line)")
         if not line.strip():
@@ -308,6 +317,13 @@ def load_jsonl(path, fields):
         for field in fields:
             if not isinstance(row, dict) or not isinstance(row.get(field), str):
                 raise SystemExit(f"error: {path}:{n}: expected a string field {field!r}")
+            try:  # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer takes
+                row[field].encode("utf-8")
+            except UnicodeEncodeError:
+                raise SystemExit(
+                    f"error: {path}:{n}: field {field!r} holds a lone surrogate (an unpaired "
+                    "\\uD800-\\uDFFF escape): not text"
+                ) from None
         rows.append(row)
     if not rows:
         raise SystemExit(f"error: {path}: no examples")

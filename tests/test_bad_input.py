@@ -25,6 +25,9 @@ def assert_one_line_error(p, *needles):
         (["--model", "runs/nonexistent/hf"], ["--model runs/nonexistent/hf: no such folder"]),
         (["--resume", "/tmp"], ["/tmp/manifest.json: missing"]),
         (["--data", "/nonexistent.jsonl"], ["/nonexistent.jsonl: no such file"]),
+        (["--max_step", "1"], ["unrecognized arguments: --max_step 1"]),  # not --max_steps
+        (["--out_dir", ""], ["--out_dir: expected a folder"]),
+        (["--resume", "file://"], ["--resume file://: expected a path"]),
     ],
 )
 def test_bad_flags(tmp_path, extra, needles):
@@ -44,8 +47,12 @@ def test_bad_flags(tmp_path, extra, needles):
             ["bad.jsonl:2: expected a string field 'response'"],
         ),
         ("\n", ["bad.jsonl: no examples"]),
+        (
+            '{"prompt": "1+1=", "response": "2"}\n{"prompt": "1+1=\\ud800", "response": "2"}\n',
+            ["bad.jsonl:2: field 'prompt' holds a lone surrogate"],
+        ),
     ],
-    ids=["malformed-line", "missing-field", "empty"],
+    ids=["malformed-line", "missing-field", "empty", "lone-surrogate"],
 )
 def test_bad_data_file(tmp_path, text, needles):
     (tmp_path / "bad.jsonl").write_text(text)
@@ -433,3 +440,14 @@ def test_a_damaged_model_folder_is_one_line(tmp_path, damage, needle):
     damage(model_dir)
     p = run_py("train_sft.py", "--model", model_dir, "--out_dir", tmp_path / "out")
     assert_one_line_error(p, f"--model {model_dir}: cannot load", needle)
+
+
+def test_a_byte_order_mark_is_not_bad_input(tmp_path):
+    """A JSONL file that starts with a UTF-8 byte-order mark (Notepad, PowerShell) is read."""
+    import common
+
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "1+1=", "response": "2"}\n')
+    assert common.load_jsonl(str(path), ["prompt", "response"]) == [
+        {"prompt": "1+1=", "response": "2"}
+    ]
