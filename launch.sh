@@ -22,11 +22,17 @@ setup() {
   local want
   if command -v nvidia-smi >/dev/null 2>&1; then want="gpu $(sha256sum requirements.txt)"; else want="cpu $(sha256sum requirements-cpu.txt)"; fi
   if [ -x "$PY" ] && [ "$(cat .venv/.installed 2>/dev/null)" = "$want" ]; then return; fi
-  [ -x "$PY" ] || python3 -m venv .venv
+  # The pinned wheels are Python 3.11's: another python3 would fail later, in pip, less clearly.
+  if ! python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+    echo "error: ./launch.sh setup needs python3 3.11; python3 is $(python3 --version 2>&1)" >&2
+    exit 1
+  fi
+  # A venv without a working pip (a venv cut short, or made without ensurepip) is made anew.
+  if ! "$PY" -m pip --version >/dev/null 2>&1; then python3 -m venv --clear .venv; fi
   if [ "${want%% *}" = gpu ]; then
-    .venv/bin/pip install -r requirements.txt vllm        # CUDA torch comes with vllm
+    "$PY" -m pip install -r requirements.txt vllm        # CUDA torch comes with vllm
   else
-    .venv/bin/pip install --no-deps -r requirements-cpu.txt
+    "$PY" -m pip install --no-deps -r requirements-cpu.txt
   fi
   # Smoke check: a broken torchvision breaks `import transformers`; vllm must import too.
   "$PY" -c "import torch, transformers, vllm; from transformers import LlamaConfig; from vllm import LLM; print('setup ok: torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
