@@ -37,7 +37,7 @@ def actor_logprobs(actor, prompts, gen, n):
 
 
 def max_diff(a, b):
-    return max((x - torch.tensor(y)).abs().max().item() for x, y in zip(a, b))
+    return max((x - torch.tensor(y)).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
 def main(path):
@@ -118,7 +118,7 @@ def main(path):
     s_hf = hf.generate(prompts, 2, NEW, T, 1.0, seeds)
     for g in (g_vl, g_hf, s_vl, s_hf):
         assert any(g.finished), g.response_ids
-        for ids, lps, done in zip(g.response_ids, g.logprobs, g.finished):
+        for ids, lps, done in zip(g.response_ids, g.logprobs, g.finished, strict=True):
             assert done == (ids[-1] in stop_ids)
             assert not set(stop_ids) & set(ids[:-1])
             assert len(lps) == len(ids) and (done or len(ids) == NEW)

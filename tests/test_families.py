@@ -347,7 +347,9 @@ def gpt2_sft(tmp_path_factory):
 
 
 def test_gpt2_tied_head_no_pad_through_ppo(tmp_path, gpt2_sft):
-    """The HF engine with a tied head: Qwen2's case below, and the sentinel test."""
+    """GPT-2 through SFT -> PPO on the vLLM engine (its tied head synced at every step), then
+    resumed, exported and decoded by transformers and vLLM; the HF engine with a tied head is
+    Qwen2's case below, and the sentinel test's."""
     family_case(tmp_path, gpt2_sft, "vllm")
 
 

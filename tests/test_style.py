@@ -29,6 +29,8 @@ PRODUCT = [
     "train_sft.py",
     "train_rm.py",
     "train_ppo.py",
+    "train_dpo.py",
+    "objstore.py",
 ]
 MAX_HELPER_LINES = 50
 # Methods whose call changes something: a comprehension that calls them is a loop in disguise.
