@@ -86,9 +86,12 @@ def workers(pid):
 def wait_for(cond, proc, timeout=300):
     t0 = time.time()
     while not cond():
-        assert proc.poll() is None, (
+        # cond() once more once it has ended: it may have come true just before the end
+        assert proc.poll() is None or cond(), (
             f"the run ended (exit {proc.returncode}) before the moment to interrupt it"
         )
+        if proc.returncode is not None:
+            return
         assert time.time() - t0 < timeout
         time.sleep(0.005)
 

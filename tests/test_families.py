@@ -451,7 +451,16 @@ def test_reward_model_of_a_family_without_a_classifier(tmp_path):
     run("train_rm.py", *args, "--micro_batch_size", 8, "--eval_every", 0, "--eval_samples", 16)
     config = json.load(open(os.path.join(rm, "hf", "config.json")))
     assert config["architectures"] == ["GraniteForSequenceClassification"]
-    assert "score.weight" in load_file(os.path.join(rm, "hf", "model.safetensors"))
+    saved = load_file(os.path.join(rm, "hf", "model.safetensors"))["score.weight"]
+    # loaded as PPO loads it: the trained head itself (a missing one would be a one-line error)
+    from transformers import AutoModelForSequenceClassification
+
+    import common
+
+    model, _ = common.load_model_and_tokenizer(
+        os.path.join(rm, "hf"), AutoModelForSequenceClassification, num_labels=1
+    )
+    assert torch.equal(common.value_head(model).weight, saved)
     out = str(tmp_path / "ppo")
     args = ("--model", base, "--out_dir", out, "--rollout_engine", "hf")
     args += ("--reward_model", os.path.join(rm, "hf"), "--advantage_estimator", "grpo")
