@@ -201,9 +201,11 @@ def print0(*parts):
 
 def global_sums(local, device):
     """Collective: {name: sum over ranks} of this rank's {name: number}. One all_reduce carries them
-    all (in float32, the order of the dict), so logging costs one collective per step."""
+    all (in the order of the dict), so logging costs one collective per step. float64: a count
+    of tokens passes float32's 2**24 at a large rollout, and the reward model's mean and std
+    (`train_rm.py: reward_stats`, summed in float64) go into its export."""
     names = list(local)
-    values = [torch.as_tensor(local[name], dtype=torch.float32).to(device) for name in names]
+    values = [torch.as_tensor(local[name], dtype=torch.float64).to(device) for name in names]
     stacked = torch.stack(values)
     dist.all_reduce(stacked)  # every rank's share of each statistic
     return dict(zip(names, stacked.tolist()))
