@@ -67,6 +67,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is missing, damaged, unsafe or from another run; the message says which."""
 
 
+class StoreUnreachable(CheckpointError):
+    """The store failed to answer (a timeout, a refusal): says nothing of the checkpoint, so
+    `--resume latest` must not pass over it to an older one as if it were damaged."""
+
+
 # ---- loading safely ------------------------------------------------------------------------------
 # Every global the .metadata pickle of DCP (torch 2.13) refers to, and nothing more.
 ALLOWED_GLOBALS = {
@@ -251,7 +256,7 @@ def _store_call(fn, *args):
     except FileNotFoundError as e:
         raise CheckpointError(f"{args[0]}: missing ({e})")
     except (OSError, objstore.StoreError) as e:
-        raise CheckpointError(f"{args[0]}: {describe(e)}")
+        raise StoreUnreachable(f"{args[0]}: {describe(e)}")
 
 
 def _is_count(x):
@@ -561,15 +566,19 @@ def _check_line(e):
 
 
 def _verify_collective(path):
-    """Collective verify(): None if the checkpoint verifies, else the line verify() would raise.
+    """Collective verify(): None if the checkpoint verifies, else the line verify() would raise
+    (a StoreUnreachable itself when the store failed to answer).
     Rank 0 checks the layout and reads the manifest; every rank then hashes its share of the
     files at once (the sha256 sums are most of a resume's time, and hashing is one core's work
     per file); rank 0 reads meta.json last. The same first problem is named as verify() names."""
-    layout = [None, [], None]  # [error, [(rel, want, exists)] in the manifest's order, step]
+    # [error, [(rel, want, exists)] in the manifest's order, step]
+    layout = [None, [], None]
     if dist.get_rank() == 0:
         layout = _layout_or_error(path)
     dist.broadcast_object_list(layout, src=0)  # every rank hashes what rank 0 read in the manifest
     error, files, step = layout
+    if isinstance(error, StoreUnreachable):
+        return error
     if error is None:
         found = [None] * dist.get_world_size()
         # every rank learns each rank's first failure: the manifest's earliest is the one named
@@ -592,6 +601,8 @@ def _layout_or_error(path):
             verify(path)
             return [None, [], None]
         manifest, entries = _verify_layout(path)
+    except StoreUnreachable as e:  # kept whole: _choose stops at it
+        return [e, [], None]
     except CheckpointError as e:
         return [str(e), [], None]
     except OSError as e:  # a folder it may not list: this line on every rank, not a hang
@@ -618,6 +629,8 @@ def _read_manifest(path):
     manifest_path = os.path.join(path, "manifest.json")
     try:
         manifest = _read_json(manifest_path)
+    except StoreUnreachable:
+        raise
     except (OSError, CheckpointError) as e:
         raise CheckpointError(
             f"{manifest_path}: missing or unreadable (not a checkpoint, or an unfinished one: {e})"
@@ -1204,6 +1217,11 @@ def _choose(paths, resume):
         error = _verify_collective(path)
         if error is None:
             return path, None
+        if isinstance(error, StoreUnreachable):  # not damage: an older one is no answer
+            return (
+                "",
+                f"{error}; the store did not answer: nothing was loaded or changed, try again",
+            )
         if resume != "latest":
             return "", error
         name = os.path.basename(path)

@@ -420,6 +420,37 @@ def test_an_abandoned_latest_is_repointed_before_it_is_deleted(store, tmp_path):
     assert checkpoint.verify(f"{root}/step-00000001")["step"] == 1
 
 
+def test_a_store_that_fails_to_answer_is_no_damaged_checkpoint(store, tmp_path, monkeypatch):
+    """The store erring while `latest` is verified (a timeout reading an object back) says nothing
+    of the checkpoint: --resume latest stops with one line instead of going on from an older one
+    (which would later delete the newer, good one to save that step again)."""
+    import torch.distributed as dist
+
+    import checkpoint
+    import objstore
+
+    fs, _ = store
+    newer = small_on_store(fs, tmp_path, "answer-2")
+    older = small_on_store(fs, tmp_path, "answer-1")
+    sha256 = objstore.sha256
+
+    def failing(url, size):
+        if "answer-2" in url:
+            raise objstore.StoreError(f"{url}: ReadTimeoutError: read timed out")
+        return sha256(url, size)
+
+    monkeypatch.setattr(objstore, "sha256", failing)
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        path, error = checkpoint._choose([newer, older], "latest")
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    assert path == "" and "the store did not answer" in error and "ReadTimeoutError" in error
+
+
 def test_crafted_manifests_and_objects_on_the_store(store, tmp_path):
     """verify on a store: unlisted objects, paths leaving the prefix, sizes other than the
     manifest's, each refused in one line."""
