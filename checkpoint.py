@@ -35,6 +35,7 @@ import os
 import pickle
 import random
 import shutil
+import socket
 import stat
 import sys
 import tempfile
@@ -1386,7 +1387,10 @@ def export(path, out, role=None):
         return
     _check_export_folder(out)
     parent, name = os.path.split(os.path.abspath(out))
-    staging = os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+    _remove_dead_staging(parent, name)
+    # whose it is (host, pid), for `_remove_dead_staging` after a kill
+    owner = f"{socket.gethostname()}-{os.getpid()}"
+    staging = os.path.join(parent, f".{name}.tmp-{owner}-{uuid.uuid4().hex[:8]}")
     try:
         with tempfile.TemporaryDirectory() as local:
             _export_from(path, manifest, role, staging, local)
@@ -1413,6 +1417,34 @@ def _check_export_folder(out):
         raise CheckpointError(
             f"{out}: holds files but no export (no config.json); give a new or empty folder"
         )
+
+
+def _remove_dead_staging(parent, name):
+    """What killed exports of `name` left beside it, `.NAME.tmp-HOST-PID-ID` (a staging folder)
+    and `...ID.old` (an earlier export set aside): removed once that process is gone, if it ran
+    on this machine (another machine's, on a shared disk, cannot be told from a live one).
+    A model's size each, which nothing else would ever delete."""
+    prefix = f".{name}.tmp-"
+    for entry in os.listdir(parent):
+        if not entry.startswith(prefix):
+            continue
+        owner = entry[len(prefix) :].removesuffix(".old").rsplit("-", 2)
+        if len(owner) != 3 or owner[0] != socket.gethostname():
+            continue
+        if not objstore.is_pid(owner[1]) or _alive(int(owner[1])):
+            continue
+        _remove_entry(os.path.join(parent, entry))
+
+
+def _alive(pid):
+    """Whether a process `pid` exists on this machine (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _install(staging, out):

@@ -261,7 +261,7 @@ def _stale(holder):
     pid = holder.get("pid")
     if holder.get("host") != socket.gethostname() or type(pid) is not int:
         return False  # another machine's live lease: only its expiry frees it
-    if not 0 < pid <= PID_MAX:
+    if not is_pid(str(pid)):
         return False
     try:
         os.kill(pid, 0)
@@ -270,6 +270,13 @@ def _stale(holder):
     except PermissionError:
         return False  # a live process of another user
     return False
+
+
+def is_pid(text):
+    """Whether `text` (ASCII digits) names a pid a process here can have: 1 to PID_MAX."""
+    if not (text.isascii() and text.isdigit()):
+        return False
+    return 0 < int(text) <= PID_MAX
 
 
 @_translated

@@ -183,6 +183,27 @@ def test_an_export_is_written_whole_or_not_at_all(done, tmp_path, monkeypatch):
         checkpoint.export(latest(done), str(other))
 
 
+def test_what_a_killed_export_left_is_removed_by_the_next(done, tmp_path):
+    """A kill during an export leaves its staging folder (or the earlier export set aside) beside
+    the export, a model's size each. The next export of that folder removes those whose process
+    is gone on this machine; a live one's, and another machine's, stay."""
+    import socket
+    import subprocess
+
+    import checkpoint
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no process has now
+    host = socket.gethostname()
+    left = [f".export.tmp-{host}-{gone.pid}-0a1b2c3d", f".export.tmp-{host}-{gone.pid}-9f8e.old"]
+    kept = [f".export.tmp-{host}-{os.getpid()}-5e6f7a8b", ".export.tmp-elsewhere-1-1c2d3e4f"]
+    for name in left + kept:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"half")
+    checkpoint.export(latest(done), str(tmp_path / "export"))
+    assert sorted(os.listdir(tmp_path)) == sorted(["export", *kept])
+
+
 def test_a_refused_pickle_is_one_line(copy, tmp_path, addition_jsonl):
     """DCP wraps the refusal in its CheckpointException (no Exception subclass): still one line."""
     ckpt = latest(copy)
