@@ -1431,20 +1431,9 @@ def _remove_dead_staging(parent, name):
         owner = entry[len(prefix) :].removesuffix(".old").rsplit("-", 2)
         if len(owner) != 3 or owner[0] != socket.gethostname():
             continue
-        if not objstore.is_pid(owner[1]) or _alive(int(owner[1])):
+        if not objstore.is_pid(owner[1]) or objstore.pid_alive(int(owner[1])):
             continue
         _remove_entry(os.path.join(parent, entry))
-
-
-def _alive(pid):
-    """Whether a process `pid` exists on this machine (one of another user's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _install(staging, out):

@@ -263,13 +263,7 @@ def _stale(holder):
         return False  # another machine's live lease: only its expiry frees it
     if not is_pid(str(pid)):
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False  # a live process of another user
-    return False
+    return not pid_alive(pid)
 
 
 def is_pid(text):
@@ -277,6 +271,17 @@ def is_pid(text):
     if not (text.isascii() and text.isdigit()):
         return False
     return 0 < int(text) <= PID_MAX
+
+
+def pid_alive(pid):
+    """Whether a process `pid` exists on this machine (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # a live process of another user
+    return True
 
 
 @_translated
