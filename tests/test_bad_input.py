@@ -25,9 +25,6 @@ def assert_one_line_error(p, *needles):
         (["--model", "runs/nonexistent/hf"], ["--model runs/nonexistent/hf: no such folder"]),
         (["--resume", "/tmp"], ["/tmp/manifest.json: missing"]),
         (["--data", "/nonexistent.jsonl"], ["/nonexistent.jsonl: no such file"]),
-        (["--max_step", "1"], ["unrecognized arguments: --max_step 1"]),  # not --max_steps
-        (["--out_dir", ""], ["--out_dir: expected a folder"]),
-        (["--resume", "file://"], ["--resume file://: expected a path"]),
     ],
 )
 def test_bad_flags(tmp_path, extra, needles):
@@ -180,6 +177,9 @@ def test_ppo_batch_sizes(tmp_path):
         ("train_ppo.py", "--advantage_estimator", "ppo", "invalid choice: 'ppo'"),
         ("train_ppo.py", "--warmup_steps", -1, "expected a number >= 0"),
         ("train_ppo.py", "--cliprange_value", -0.2, "expected a number >= 0"),
+        ("train_sft.py", "--max_step", 1, "unrecognized arguments: --max_step 1"),  # no prefixes
+        ("train_rm.py", "--out_dir", "", "expected a folder or a store URL"),
+        ("train_dpo.py", "--resume", "file://", "expected a path after file://"),
     ],
 )
 def test_flags_out_of_range(tmp_path, monkeypatch, capsys, script, flag, value, needle):
