@@ -256,6 +256,8 @@ def _store_call(fn, *args):
         return fn(*args)
     except FileNotFoundError as e:
         raise CheckpointError(f"{args[0]}: missing ({e})")
+    except objstore.TooLarge as e:  # the store answered: what it holds is wrong
+        raise CheckpointError(str(e))
     except (OSError, objstore.StoreError) as e:
         raise StoreUnreachable(f"{args[0]}: {describe(e)}")
 
@@ -467,7 +469,7 @@ def _read_latest(root):
         # branch's newer ones first.
         try:
             name = objstore.read_bytes(os.path.join(root, "latest"), 64).decode().strip()
-        except (FileNotFoundError, ValueError):
+        except (FileNotFoundError, ValueError, objstore.TooLarge):
             return None
         return _step_name_or_none(name)
     try:
@@ -741,6 +743,8 @@ def read_meta(path, step=None):
             _check_rng(_read_json(rng_path))
         except OSError as e:
             raise CheckpointError(f"{rng_path}: missing or unreadable ({e.strerror})")
+        except CheckpointError:  # _read_json's own (a StoreUnreachable among them) stays as it is
+            raise
         except (LookupError, TypeError, ValueError, OverflowError, RuntimeError) as e:
             raise CheckpointError(f"{rng_path}: malformed RNG state ({type(e).__name__}: {e})")
     return meta
@@ -1112,8 +1116,24 @@ def resolve(out_dir, resume):
     path, error = _choose(plan[0], resume)
     if error:
         raise CheckpointError(error)
-    _run["branch"] = os.path.basename(path)  # this run's newest checkpoint ('' = none yet)
+    _run["branch"] = _branch_of(path, os.path.join(out_dir, "checkpoints"))
     return path
+
+
+def _branch_of(path, root):
+    """This run's newest checkpoint, by name, if `path` (resumed from) is one of root's: else ''
+    (a fresh start, or a warm start from another run's)."""
+    path = path.rstrip("/")  # a --resume PATH may end in one
+    if not path:
+        return ""
+    parent = os.path.dirname(path)
+    root = root.rstrip("/")
+    if not objstore.is_url(path):
+        parent = os.path.realpath(parent)
+        root = os.path.realpath(root)
+    if parent != root:
+        return ""
+    return os.path.basename(path)
 
 
 # In a run folder: entries that, where present, must be regular files (never written through a
@@ -1424,10 +1444,14 @@ def _remove_dead_staging(parent, name):
     and `...ID.old` (an earlier export set aside): removed once that process is gone, if it ran
     on this machine (another machine's, on a shared disk, cannot be told from a live one).
     A model's size each, which nothing else would ever delete."""
+    if not os.path.isdir(parent):  # the export makes it
+        return
     prefix = f".{name}.tmp-"
     for entry in os.listdir(parent):
         if not entry.startswith(prefix):
             continue
+        if entry.endswith(".old") and not os.path.lexists(os.path.join(parent, name)):
+            continue  # killed between _install's renames: the only copy of the earlier export
         owner = entry[len(prefix) :].removesuffix(".old").rsplit("-", 2)
         if len(owner) != 3 or owner[0] != socket.gethostname():
             continue

@@ -22,13 +22,16 @@ setup() {
   local want
   if command -v nvidia-smi >/dev/null 2>&1; then want="gpu $(sha256sum requirements.txt)"; else want="cpu $(sha256sum requirements-cpu.txt)"; fi
   if [ -x "$PY" ] && [ "$(cat .venv/.installed 2>/dev/null)" = "$want" ]; then return; fi
-  # The pinned wheels are Python 3.11's: another python3 would fail later, in pip, less clearly.
-  if ! python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
-    echo "error: ./launch.sh setup needs python3 3.11; python3 is $(python3 --version 2>&1)" >&2
-    exit 1
+  # The pinned wheels are Python 3.11's. A venv of another Python, or without a working pip (cut
+  # short, or made without ensurepip), is made anew, from a python3 that is 3.11.
+  local py311='import sys; sys.exit(sys.version_info[:2] != (3, 11))'
+  if ! { "$PY" -c "$py311" && "$PY" -m pip --version; } >/dev/null 2>&1; then
+    if ! python3 -c "$py311" 2>/dev/null; then
+      echo "error: ./launch.sh setup needs python3 3.11; python3 is $(python3 --version 2>&1)" >&2
+      exit 1
+    fi
+    python3 -m venv --clear .venv
   fi
-  # A venv without a working pip (a venv cut short, or made without ensurepip) is made anew.
-  if ! "$PY" -m pip --version >/dev/null 2>&1; then python3 -m venv --clear .venv; fi
   if [ "${want%% *}" = gpu ]; then
     "$PY" -m pip install -r requirements.txt vllm        # CUDA torch comes with vllm
   else
@@ -77,21 +80,26 @@ run_torchrun() {
   if [ "${NNODES:-1}" != 1 ]; then port=${MASTER_PORT:-29500}; fi
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
+  # Signalled between stages (demo, pipeline), or while the line above asked torch: not started.
+  if [ -n "${STOPPED:-}" ]; then return 0; fi
   "$PY" -c "$QUIET_TORCHRUN" --nnodes="${NNODES:-1}" --node_rank="${NODE_RANK:-0}" \
     --rdzv_backend=c10d --rdzv_endpoint="${MASTER_ADDR:-127.0.0.1}:$port" \
     --nproc_per_node="$nproc" --max-restarts="${MAX_RESTARTS:-0}" "$script" "$@" &
-  local pid=$! rc=0
+  local pid=$! rc=0 pending=
   # Preemption: SIGTERM/SIGUSR1 go to the training processes (torchrun's children) only. They finish the
   # step, save and exit 0, so torchrun and this script exit 0; torchrun itself would count SIGTERM as a
-  # failure and SIGKILL its workers 30 s later.
-  # STOPPED tells demo and pipeline not to start the next stage (it would need this one's export).
-  trap 'STOPPED=1; pkill -TERM -P "$pid" || true' TERM
-  trap 'STOPPED=1; pkill -USR1 -P "$pid" || true' USR1
+  # failure and SIGKILL its workers 30 s later. A signal that comes before torchrun has started its
+  # workers is passed on once they are there (`pending`; a worker still importing, its handler not
+  # yet set, ends with it and the stage fails: it had nothing to save). STOPPED tells demo and
+  # pipeline not to start the next stage (it would need this one's export).
+  trap 'STOPPED=1; pending=TERM' TERM
+  trap 'STOPPED=1; pending=USR1' USR1
   trap 'kill -INT "$pid" 2>/dev/null || true' INT  # Ctrl-C: torchrun stops its workers
-  while true; do
-    wait "$pid" && rc=0 || rc=$?
-    kill -0 "$pid" 2>/dev/null || break  # a trapped signal interrupts `wait`; torchrun goes on
+  while kill -0 "$pid" 2>/dev/null; do
+    if [ -n "$pending" ] && pkill "-$pending" -P "$pid"; then pending=; fi
+    sleep 0.2  # a trap runs once this returns: a signal is passed on within 0.2 s
   done
+  wait "$pid" && rc=0 || rc=$?
   # Between stages a signal only marks the stop (the traps above name this call's local pid).
   trap 'STOPPED=1' TERM USR1
   trap - INT

@@ -37,6 +37,10 @@ class StoreError(RuntimeError):
     """The store refused, or could not be reached; checkpoint.py turns it into a CheckpointError."""
 
 
+class TooLarge(StoreError):
+    """An object larger than it may be: the store answered, and what it holds is wrong."""
+
+
 def _translated(fn):
     """The store's client raises its own exceptions (botocore's EndpointConnectionError is no
     OSError): all but a missing or taken name become one StoreError naming the URL."""
@@ -99,7 +103,7 @@ def read_bytes(url, limit):
     with fs.open(path, "rb") as f:
         data = f.read(limit + 1)
     if len(data) > limit:
-        raise StoreError(f"{url}: larger than the {limit} bytes expected")
+        raise TooLarge(f"{url}: larger than the {limit} bytes expected")
     return data
 
 
@@ -236,6 +240,8 @@ def _lock_holder(url):
         holder = json.loads(read_bytes(url, SMALL_CAP))
     except FileNotFoundError:
         return None
+    except TooLarge:  # no lock a run writes: nobody holds it
+        return {}
     except (OSError, StoreError) as e:
         raise StoreError(f"{url}: the run lock cannot be read ({e}); try again") from None
     except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError)

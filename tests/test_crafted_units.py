@@ -388,3 +388,17 @@ def test_a_latest_the_store_fails_to_read_stops_the_start(monkeypatch):
     paths, error, run_id = checkpoint._start_store(url, "latest")
     assert paths == [] and run_id is None
     assert "ReadTimeoutError" in error and "latest" in error
+
+
+def test_oversized_latest_and_lock_on_a_store_are_no_outage():
+    """A `latest` over its 64 bytes, or a lock over 16 MiB, is the store answering with something
+    no run writes: no latest, and a lock nobody holds; not "the store did not answer"."""
+    import objstore
+
+    url = "memory://plainrlhf-oversized/run"
+    fs, path = objstore.fs_of(url)
+    fs.pipe_file(f"{path}/checkpoints/latest", b"step-00000001" + b" " * 100)
+    assert checkpoint._read_latest(f"{url}/checkpoints") is None
+    fs.pipe_file(f"{path}/.lock", b"{" + b" " * objstore.SMALL_CAP + b"}")
+    objstore.take_lock(url, "mine")
+    assert json.loads(fs.cat_file(f"{path}/.lock"))["run"] == "mine"

@@ -200,8 +200,15 @@ def test_what_a_killed_export_left_is_removed_by_the_next(done, tmp_path):
     for name in left + kept:
         (tmp_path / name).mkdir()
         (tmp_path / name / "model.safetensors").write_bytes(b"half")
+    # No export there yet: as after a kill between _install's renames, an earlier export set
+    # aside may be the only copy: kept until an export is in place again.
+    checkpoint.export(latest(done), str(tmp_path / "export"))
+    assert sorted(os.listdir(tmp_path)) == sorted(["export", left[1], *kept])
     checkpoint.export(latest(done), str(tmp_path / "export"))
     assert sorted(os.listdir(tmp_path)) == sorted(["export", *kept])
+    # into a folder that does not exist yet, parents and all
+    checkpoint.export(latest(done), str(tmp_path / "new" / "deeper" / "export"))
+    assert os.path.isfile(tmp_path / "new" / "deeper" / "export" / "config.json")
 
 
 def test_a_refused_pickle_is_one_line(copy, tmp_path, addition_jsonl):

@@ -420,26 +420,28 @@ def test_an_abandoned_latest_is_repointed_before_it_is_deleted(store, tmp_path):
     assert checkpoint.verify(f"{root}/step-00000001")["step"] == 1
 
 
-def test_a_store_that_fails_to_answer_is_no_damaged_checkpoint(store, tmp_path, monkeypatch):
-    """The store erring while `latest` is verified (a timeout reading an object back) says nothing
-    of the checkpoint: --resume latest stops with one line instead of going on from an older one
-    (which would later delete the newer, good one to save that step again)."""
+@pytest.mark.parametrize("read", ["sha256", "read_bytes"])
+def test_a_store_that_fails_to_answer_is_no_damaged_checkpoint(store, tmp_path, monkeypatch, read):
+    """The store erring while `latest` is verified (a timeout reading an object back for its
+    checksum, or reading its RNG file) says nothing of the checkpoint: --resume latest stops with
+    one line instead of going on from an older one (which would later delete the newer, good
+    one to save that step again)."""
     import torch.distributed as dist
 
     import checkpoint
     import objstore
 
     fs, _ = store
-    newer = small_on_store(fs, tmp_path, "answer-2")
-    older = small_on_store(fs, tmp_path, "answer-1")
-    sha256 = objstore.sha256
+    newer = small_on_store(fs, tmp_path, f"answer-2-{read}")
+    older = small_on_store(fs, tmp_path, f"answer-1-{read}")
+    original = getattr(objstore, read)
 
     def failing(url, size):
-        if "answer-2" in url:
+        if "answer-2" in url and (read == "sha256" or "rng-rank" in url):
             raise objstore.StoreError(f"{url}: ReadTimeoutError: read timed out")
-        return sha256(url, size)
+        return original(url, size)
 
-    monkeypatch.setattr(objstore, "sha256", failing)
+    monkeypatch.setattr(objstore, read, failing)
     owned = not dist.is_initialized()
     if owned:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
