@@ -557,17 +557,17 @@ def shard_model(model, device, offload=False, reshard_after_forward=True):
     return model
 
 
-def load_error(path, e):
-    """The one line for a --model that would not load. A path that is no folder here and cannot
-    be a Hub id either ('name' or 'org/name') is named as missing: transformers would answer
-    "Repo id must be in the form 'repo_name' or 'namespace/repo_name'" for `runs/sft/hf`."""
+def load_error(path, e, flag="--model"):
+    """The one line for a --model (or `flag`) that would not load. A path that is no folder here
+    and cannot be a Hub id either ('name' or 'org/name') is named as missing: transformers would
+    answer "Repo id must be in the form 'repo_name' or 'namespace/repo_name'" for `runs/sft/hf`."""
     local = path.startswith((".", "/", "~")) or path.count("/") > 1
     if local and not os.path.isdir(path):
-        return f"error: --model {path}: no such folder"
-    return f"error: --model {path}: cannot load ({str(e).splitlines()[0]})"
+        return f"error: {flag} {path}: no such folder"
+    return f"error: {flag} {path}: cannot load ({str(e).splitlines()[0]})"
 
 
-def attention_implementation(path, choice):
+def attention_implementation(path, choice, flag="--model"):
     """transformers' attn_implementation for the model at `path`: `choice`, or for 'auto' eager
     where the family needs it, else transformers' default (SDPA). Gemma 2 soft-caps its attention
     logits; SDPA drops the soft-capping while vLLM applies it (7e-3 to 2.3e-2 logprob apart)."""
@@ -576,7 +576,7 @@ def attention_implementation(path, choice):
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as e:
-        raise SystemExit(load_error(path, e))
+        raise SystemExit(load_error(path, e, flag))
     if getattr(config, "attn_logit_softcapping", None):
         return "eager"
     return None
@@ -611,8 +611,11 @@ def checkpoint_activations(model):
             )
 
 
-def load_model_and_tokenizer(path, cls, attn_implementation="auto", new_head=False, **kwargs):
-    """(model, tokenizer) from an HF folder or hub id, fp32 master weights; one line if it fails.
+def load_model_and_tokenizer(
+    path, cls, attn_implementation="auto", new_head=False, flag="--model", **kwargs
+):
+    """(model, tokenizer) from an HF folder or hub id, fp32 master weights; one line if it fails,
+    naming `flag` (the flag that gave the path).
 
     cls: an Auto class; a classifier (the critic, a reward model) of a family transformers ships
     no classifier for gets one built the way transformers builds its own (`classifier_class`).
@@ -629,33 +632,56 @@ def load_model_and_tokenizer(path, cls, attn_implementation="auto", new_head=Fal
     try:
         # trust_remote_code=False: an `auto_map` in the folder never runs its .py files (nor asks)
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-        attention = attention_implementation(path, attn_implementation)
-        if attention is not None:
-            kwargs["attn_implementation"] = attention
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
-        model, info = classifier_class(config, cls).from_pretrained(
-            path, dtype=torch.float32, trust_remote_code=False, output_loading_info=True, **kwargs
-        )
-    except (OSError, ValueError, SafetensorError) as e:  # a cut or crafted model.safetensors too
-        raise SystemExit(load_error(path, e))
-    except RuntimeError as e:
-        # transformers raises this after logging a report the quiet console hides
-        if "ignore_mismatched_sizes" not in str(e):
-            raise
-        shapes = "weights whose shapes differ from those its config.json gives"
-        raise SystemExit(f"error: --model {path}: cannot load ({shapes})")
-    check_all_loaded(path, info["missing_keys"], new_head)
+    except (OSError, ValueError) as e:
+        raise SystemExit(load_error(path, e, flag))
+    attention = attention_implementation(path, attn_implementation, flag)
+    if attention is not None:
+        kwargs["attn_implementation"] = attention
+    check_num_labels(path, config, kwargs.get("num_labels"), flag)
+    model, info = load_weights(path, classifier_class(config, cls), kwargs, flag)
+    check_all_loaded(path, info["missing_keys"], new_head, flag)
     if tok.eos_token_id is None:
-        raise SystemExit(f"error: --model {path}: the tokenizer has no EOS token")
+        raise SystemExit(f"error: {flag} {path}: the tokenizer has no EOS token")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     rows = model.get_input_embeddings().num_embeddings
     if len(tok) > rows:
         raise SystemExit(
-            f"error: --model {path}: the tokenizer has {len(tok)} tokens, the embedding matrix "
+            f"error: {flag} {path}: the tokenizer has {len(tok)} tokens, the embedding matrix "
             f"{rows} rows; call model.resize_token_embeddings(len(tokenizer)) and save the model"
         )
     return model, tok
+
+
+def load_weights(path, model_class, kwargs, flag):
+    """(model, loading info) of model_class.from_pretrained(path) in fp32; one line if it fails."""
+    try:
+        return model_class.from_pretrained(
+            path, dtype=torch.float32, trust_remote_code=False, output_loading_info=True, **kwargs
+        )
+    except (OSError, ValueError, SafetensorError) as e:  # a cut or crafted model.safetensors too
+        raise SystemExit(load_error(path, e, flag))
+    except RuntimeError as e:
+        # transformers raises this after logging a report the quiet console hides
+        if "ignore_mismatched_sizes" not in str(e):
+            raise
+        shapes = "weights whose shapes differ from those its config.json gives"
+        raise SystemExit(f"error: {flag} {path}: cannot load ({shapes})")
+
+
+def check_num_labels(path, config, num_labels, flag):
+    """A classifier folder asked for as a reward model must have its one output: transformers
+    would otherwise fail on the head's shape (a 2-label sentiment classifier, say)."""
+    architectures = config.architectures or []
+    kinds = ("ForSequenceClassification", "ForTokenClassification")
+    is_classifier = any(name.endswith(kinds) for name in architectures)
+    if num_labels is None or not is_classifier or config.num_labels == num_labels:
+        return
+    raise SystemExit(
+        f"error: {flag} {path}: a classifier with {config.num_labels} outputs; a reward model "
+        f"has {num_labels}"
+    )
 
 
 def classifier_class(config, cls):
@@ -699,7 +725,7 @@ def classifier_class(config, cls):
     return type(name, (generic, pretrained), body)
 
 
-def check_all_loaded(path, missing, new_head):
+def check_all_loaded(path, missing, new_head, flag="--model"):
     """One line if the folder lacked weights the model needs; with new_head, the classifier head
     (`score`, `classifier`) may be new."""
     heads = ("score.", "classifier.")
@@ -707,7 +733,7 @@ def check_all_loaded(path, missing, new_head):
     if lacking:
         shown = ", ".join(sorted(lacking)[:3])
         raise SystemExit(
-            f"error: --model {path}: the folder has no weights for {shown} ({len(lacking)} "
+            f"error: {flag} {path}: the folder has no weights for {shown} ({len(lacking)} "
             "missing); is it a model of this kind (a reward model for --reward_model)?"
         )
 

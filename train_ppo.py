@@ -479,19 +479,7 @@ def build_models(args, device):
             torch.nn.init.zeros_(head.bias)
         models.critic = critic
     if args.reward_model:
-        reward_model, reward_tok = common.load_model_and_tokenizer(
-            args.reward_model, AutoModelForSequenceClassification, attention, num_labels=1
-        )
-        # transformers' own pooling refuses batches when the config has no pad id; the score is
-        # read by `reward_model_scores` from the lengths, whatever this id is.
-        reward_model.config.pad_token_id = reward_tok.pad_token_id
-        models.reward_model = reward_model.requires_grad_(False)
-        models.reward_tokenizer = reward_tok
-        models.reward_context = common.context_length(
-            args.reward_model, reward_model.config, "--reward_model"
-        )
-        if args.reward_norm:
-            models.reward_norm = reward_normalisation(reward_model.config, args.reward_model)
+        load_reward_model(args, models)
     if args.gradient_checkpointing:  # the trained models; the frozen ones keep no activations
         common.checkpoint_activations(actor)
         if models.critic is not None:
@@ -507,6 +495,28 @@ def build_models(args, device):
     if models.critic is not None:
         roles["critic"] = (models.critic, adamw(models.critic, args.critic_lr))
     return models, tok, roles
+
+
+def load_reward_model(args, models):
+    """--reward_model into `models`: the frozen model, its own tokenizer and context, and the
+    statistics its score is normalised with (--reward_norm)."""
+    reward_model, reward_tok = common.load_model_and_tokenizer(
+        args.reward_model,
+        AutoModelForSequenceClassification,
+        args.attn_implementation,
+        flag="--reward_model",
+        num_labels=1,
+    )
+    # transformers' own pooling refuses batches when the config has no pad id; the score is
+    # read by `reward_model_scores` from the lengths, whatever this id is.
+    reward_model.config.pad_token_id = reward_tok.pad_token_id
+    models.reward_model = reward_model.requires_grad_(False)
+    models.reward_tokenizer = reward_tok
+    models.reward_context = common.context_length(
+        args.reward_model, reward_model.config, "--reward_model"
+    )
+    if args.reward_norm:
+        models.reward_norm = reward_normalisation(reward_model.config, args.reward_model)
 
 
 def adamw(model, lr):

@@ -451,3 +451,22 @@ def test_a_byte_order_mark_is_not_bad_input(tmp_path):
     assert common.load_jsonl(str(path), ["prompt", "response"]) == [
         {"prompt": "1+1=", "response": "2"}
     ]
+
+
+def test_a_classifier_of_two_labels_is_no_reward_model(tmp_path):
+    """A 2-label sequence classifier (a sentiment model, say) given as --reward_model failed on its
+    head's shape with transformers' RuntimeError; one line names the flag and the outputs."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoTokenizer
+
+    import task
+
+    task.ensure_tiny_model()
+    reward_dir = tmp_path / "classifier"
+    model = AutoModelForSequenceClassification.from_pretrained(task.TINY_MODEL, num_labels=2)
+    model.save_pretrained(reward_dir)
+    AutoTokenizer.from_pretrained(task.TINY_MODEL).save_pretrained(reward_dir)
+    args = ("--model", task.TINY_MODEL, "--out_dir", tmp_path / "out", "--rollout_engine", "hf")
+    args += ("--reward_model", reward_dir, "--eval_samples", 4, "--max_steps", 1)
+    p = run_py("train_ppo.py", *args)
+    assert_one_line_error(p, f"--reward_model {reward_dir}: a classifier with 2 outputs")
