@@ -333,65 +333,59 @@ def small_on_store(fs, tmp_path, name):
     return f"s3://{BUCKET}/crafted/{name}"
 
 
-def test_a_failed_save_never_removes_a_committed_prefix(store, tmp_path):
+@pytest.fixture
+def one_rank():
+    """A process group of one rank, in-process, as a run has one (what these tests call asks for
+    the rank, or runs a collective); an earlier in-process test's group is used as it is."""
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if owned:
+        dist.destroy_process_group()
+
+
+def test_a_failed_save_never_removes_a_committed_prefix(store, tmp_path, one_rank):
     """A save that fails on a store removes its step's objects, unless a manifest is among them:
     then it failed after its commit (the `latest` PUT), or the prefix is another run's (which
     `_publish_store` refuses to write over); the commit is kept, and only an uncommitted prefix
     goes."""
-    import torch.distributed as dist
-
     import checkpoint
 
     fs, _ = store
     url = small_on_store(fs, tmp_path, "committed")
-    owned = not dist.is_initialized()  # _remove_unfinished asks for the rank
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        checkpoint._remove_unfinished(url)
-        assert checkpoint.verify(url)["step"] == 1
-        fs.rm(f"{BUCKET}/crafted/committed/manifest.json")
-        checkpoint._remove_unfinished(url)
-    finally:
-        if owned:
-            dist.destroy_process_group()
+    checkpoint._remove_unfinished(url)
+    assert checkpoint.verify(url)["step"] == 1
+    fs.rm(f"{BUCKET}/crafted/committed/manifest.json")
+    checkpoint._remove_unfinished(url)
     fs.invalidate_cache()
     assert not fs.exists(f"{BUCKET}/crafted/committed/a.bin")
 
 
-def test_keep_last_prunes_committed_checkpoints_on_the_store(store, tmp_path):
+def test_keep_last_prunes_committed_checkpoints_on_the_store(store, tmp_path, one_rank):
     """--keep_last on a store deletes the committed steps older than the newest kept (manifest
     first); steps newer than the one just saved (an abandoned branch) stay. A failed save's
     clean-up keeps any prefix with a manifest: pruning must not go through it (it once did, and
     a store run kept every checkpoint)."""
-    import torch.distributed as dist
-
     import checkpoint
 
     fs, _ = store
     for k in (1, 2, 3, 5):
         small_on_store(fs, tmp_path, f"step-{k:08d}")
     root = f"s3://{BUCKET}/crafted"
-    owned = not dist.is_initialized()  # as a run has one (the clean-up it once used asks for it)
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        checkpoint._prune(root, 3, 2)  # step-3 just committed; step-5 is an abandoned branch
-    finally:
-        if owned:
-            dist.destroy_process_group()
+    checkpoint._prune(root, 3, 2)  # step-3 just committed; step-5 is an abandoned branch
     fs.invalidate_cache()
     left = sorted(os.path.basename(p) for p in fs.ls(f"{BUCKET}/crafted/"))
     assert [n for n in left if n.startswith("step-")] == [f"step-{k:08d}" for k in (2, 3, 5)]
     assert checkpoint.verify(f"{root}/step-00000002")["step"] == 1  # the kept ones are whole
 
 
-def test_an_abandoned_latest_is_repointed_before_it_is_deleted(store, tmp_path):
+def test_an_abandoned_latest_is_repointed_before_it_is_deleted(store, tmp_path, one_rank):
     """A run resumed from step-1 while `latest` names step-2 (a --resume PATH, or a fallback)
     deletes step-2 before saving its own step 2 there: `latest` first names the run's own
     checkpoint, so a save failing after the deletion leaves it naming one that verifies."""
-    import torch.distributed as dist
-
     import checkpoint
     from conftest import write_small_checkpoint
 
@@ -403,16 +397,11 @@ def test_an_abandoned_latest_is_repointed_before_it_is_deleted(store, tmp_path):
         write_small_checkpoint(local)
         fs.put(str(local) + "/", f"{BUCKET}/branch/checkpoints/step-{k:08d}/", recursive=True)
     fs.pipe_file(f"{BUCKET}/branch/checkpoints/latest", b"step-00000002\n")
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     checkpoint._run["branch"] = "step-00000001"  # as `resolve` sets it after the resume
     try:
         cleared = checkpoint._clear_step(f"{root}/step-00000002", "step-00000002", "warn")
     finally:
         checkpoint._run.pop("branch")
-        if owned:
-            dist.destroy_process_group()
     assert cleared
     fs.invalidate_cache()
     assert not fs.exists(f"{BUCKET}/branch/checkpoints/step-00000002/manifest.json")
@@ -421,13 +410,13 @@ def test_an_abandoned_latest_is_repointed_before_it_is_deleted(store, tmp_path):
 
 
 @pytest.mark.parametrize("read", ["sha256", "read_bytes"])
-def test_a_store_that_fails_to_answer_is_no_damaged_checkpoint(store, tmp_path, monkeypatch, read):
+def test_a_store_that_fails_to_answer_is_no_damaged_checkpoint(
+    store, tmp_path, monkeypatch, one_rank, read
+):
     """The store erring while `latest` is verified (a timeout reading an object back for its
     checksum, or reading its RNG file) says nothing of the checkpoint: --resume latest stops with
     one line instead of going on from an older one (which would later delete the newer, good
     one to save that step again)."""
-    import torch.distributed as dist
-
     import checkpoint
     import objstore
 
@@ -442,14 +431,7 @@ def test_a_store_that_fails_to_answer_is_no_damaged_checkpoint(store, tmp_path, 
         return original(url, size)
 
     monkeypatch.setattr(objstore, read, failing)
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        path, error = checkpoint._choose([newer, older], "latest")
-    finally:
-        if owned:
-            dist.destroy_process_group()
+    path, error = checkpoint._choose([newer, older], "latest")
     assert path == "" and "the store did not answer" in error and "ReadTimeoutError" in error
 
 
