@@ -300,14 +300,12 @@ def evaluate(model, pairs, pad_id, batch_size, device):
     r_chosen - r_rejected, and the mean of each reward. Collective: every rank scores an equal
     share (`common.eval_share`)."""
     mine, counted = common.eval_share(pairs)  # equal shares: every forward is a collective
-    model.eval()
     chosen = []
     rejected = []
     for start in range(0, len(mine), batch_size):
         r_chosen, r_rejected = pair_scores(model, mine[start : start + batch_size], pad_id, device)
         chosen.append(r_chosen)
         rejected.append(r_rejected)
-    model.train()
     r_chosen = torch.cat(chosen)[:counted]  # [counted]
     r_rejected = torch.cat(rejected)[:counted]
     local = {
@@ -334,11 +332,9 @@ def reward_stats(model, sequences, pad_id, batch_size, device):
     normalisation of Ziegler et al. 2019 and Stiennon et al. 2020 [N23 RM #3]). Two passes, like
     train_ppo.py's whitening. Collective: every rank scores an equal share."""
     mine, counted = common.eval_share(sequences)
-    model.eval()
     scores = []
     for start in range(0, len(mine), batch_size):
         scores.append(sequence_scores(model, mine[start : start + batch_size], pad_id, device))
-    model.train()
     r = torch.cat(scores)[:counted].double()  # [counted]
     totals = common.global_sums({"sum": r.sum(), "n": counted}, device)  # the global mean first
     mean = totals["sum"] / totals["n"]
@@ -367,8 +363,12 @@ def main(args):
         init_reward_head(common.value_head(model), args.seed)
     # The export's pad id, for plain transformers' batched scoring; ours reads the mask.
     model.config.pad_token_id = tok.pad_token_id
-    # from_pretrained returns eval mode: dropout would be silently off until the first eval
-    model.train()
+    # The model stays in eval mode (from_pretrained's): dropout off while training too, as TRL's
+    # RewardTrainer (`disable_dropout=True`). PPO reads the score in eval mode, and the mean and
+    # std recorded for its normalisation are taken so; a loss under dropout would fit the scores
+    # of thinned networks instead, whose scale differs (a model of a family without dropout, as
+    # Llama and Qwen ship, trains the same either way).
+    model.eval()
     train, held_out = load_data(args, tok, common.context_length(args.model, model.config))
     if args.gradient_checkpointing:
         common.checkpoint_activations(model)

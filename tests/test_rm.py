@@ -67,6 +67,23 @@ def test_rm_logs_its_metrics(straight):
     assert last["train/reward_std"] > 0
 
 
+def test_rm_trains_without_dropout(tmp_path, dropout_model):
+    """A model with attention dropout in its config (GPT-2 ships 0.1) trains with it off, as TRL's
+    RewardTrainer: one pair, `--lr 0` (the weights never move), so the loss of step 1 must be
+    -log σ of the margin the evaluation after it reads in eval mode."""
+    data = tmp_path / "pair.jsonl"
+    data.write_text(json.dumps({"prompt": "37+45=", "chosen": "82", "rejected": "83"}) + "\n")
+    args = ("--model", dropout_model, "--data", data, "--eval_data", data, "--lr", 0)
+    args += ("--out_dir", tmp_path / "rm", "--max_steps", 1, "--train_batch_size", 1)
+    args += ("--micro_batch_size", 1, "--warmup_steps", 0, "--save_every", 0)
+    run("train_rm.py", *args, nproc=1)
+    (row,) = metrics(str(tmp_path / "rm"))
+    expected = -torch.nn.functional.logsigmoid(
+        torch.tensor(row["eval/margin"], dtype=torch.float64)
+    )
+    assert row["train/loss"] == pytest.approx(expected.item(), rel=1e-5)
+
+
 def test_rm_export_loads_in_plain_transformers(straight):
     from transformers import AutoModelForSequenceClassification
     from transformers import AutoTokenizer
