@@ -297,6 +297,17 @@ def truncate_jsonl(path, step):
 
 
 # ---- data ----------------------------------------------------------------------------------------
+def unique_keys(pairs):
+    """json's object_pairs_hook: an object naming a key twice is refused (json keeps the last
+    silently, so `{"prompt": "a", ..., "prompt": "b"}` would train on "b" unannounced)."""
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ValueError(f"the key {key!r} appears twice in one object")
+        seen.add(key)
+    return dict(pairs)
+
+
 def load_jsonl(path, fields):
     """The rows of a JSONL file, each an object with string `fields`; errors name file and line."""
     if not os.path.isfile(path):
@@ -313,7 +324,7 @@ def load_jsonl(path, fields):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = json.loads(line, object_pairs_hook=unique_keys)
         except ValueError as e:
             raise SystemExit(f"error: {path}:{n}: not valid JSON ({e})")
         for field in fields:

@@ -48,8 +48,12 @@ def test_bad_flags(tmp_path, extra, needles):
             '{"prompt": "1+1=", "response": "2"}\n{"prompt": "1+1=\\ud800", "response": "2"}\n',
             ["bad.jsonl:2: field 'prompt' holds a lone surrogate"],
         ),
+        (
+            '{"prompt": "1+1=", "response": "2", "prompt": "2+2="}\n',
+            ["bad.jsonl:1: not valid JSON", "the key 'prompt' appears twice"],
+        ),
     ],
-    ids=["malformed-line", "missing-field", "empty", "lone-surrogate"],
+    ids=["malformed-line", "missing-field", "empty", "lone-surrogate", "duplicate-key"],
 )
 def test_bad_data_file(tmp_path, text, needles):
     (tmp_path / "bad.jsonl").write_text(text)
