@@ -1217,6 +1217,13 @@ def _candidates(root, resume):
     checkpoints folder `root`."""
     names, top = _step_dirs(root)
     if resume and resume != "latest":  # --resume PATH: that one, or a clear error
+        if names and not _branch_of(resume, root):
+            # another run's checkpoint into a folder of this one's: its saves would overwrite
+            # this run's steps of the same number, and --keep_last prune the others
+            return [], (
+                f"--resume {resume}: not one of {root}'s checkpoints, and that folder holds an "
+                "earlier run's: use another (or a new) --out_dir to continue from it"
+            )
         return [resume], None
     if not resume:
         if names:  # a fresh start must not mix its metrics and saves with an earlier run's
@@ -1405,7 +1412,7 @@ def export(path, out, role=None):
             _export_from(path, manifest, role, os.path.join(local, "out"), local)
             _store_call(objstore.upload_folder, out, os.path.join(local, "out"))
         return
-    _check_export_folder(out)
+    _check_export_folder(out, path)
     parent, name = os.path.split(os.path.abspath(out))
     _remove_dead_staging(parent, name)
     # whose it is (host, pid), for `_remove_dead_staging` after a kill
@@ -1425,15 +1432,64 @@ def export(path, out, role=None):
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _check_export_folder(out):
-    """`out` may be new, an empty folder, or an earlier export (it has a config.json), which the
-    export replaces whole; anything else (a file, a symlink, a folder of other files) is refused
-    before any work: replacing it would delete what is not ours."""
+# What an export writes (model.save_pretrained, tokenizer.save_pretrained; the tokenizer files of
+# every kind transformers saves), the only names a folder it replaces may hold.
+EXPORT_FILES = {
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+}
+
+
+def _is_export_file(root, name):
+    """Whether root/name is a regular file an export writes (a weight shard of any count too)."""
+    if not stat.S_ISREG(os.lstat(os.path.join(root, name)).st_mode):
+        return False
+    shard = name.startswith("model-") and name.endswith(".safetensors") and "-of-" in name
+    return name in EXPORT_FILES or shard
+
+
+def _within(inner, outer):
+    """Whether the local path `inner` is `outer` or inside it (symlinks resolved)."""
+    inner = os.path.realpath(inner)
+    outer = os.path.realpath(outer)
+    return os.path.commonpath([inner, outer]) == outer
+
+
+def _check_export_folder(out, path):
+    """`out` may be new, an empty folder, or an earlier export (only files an export writes, one
+    of them config.json), which the export replaces whole; anything else (a file, a symlink, a
+    folder that holds anything else: a base model's README, a user's notes, a run folder) is
+    refused before any work: replacing it would delete what is not ours. So is a folder inside
+    the checkpoint `path`: its manifest would no longer match (verification fails, and
+    `--resume latest` falls back to an older checkpoint)."""
+    if not objstore.is_url(path) and _within(out, path):
+        raise CheckpointError(f"{out}: inside the checkpoint {path}; export it somewhere else")
     if not os.path.lexists(out):
         return
     if os.path.islink(out) or not os.path.isdir(out):
         raise CheckpointError(f"{out}: not a folder (a file or a symlink); give a new folder")
-    if os.listdir(out) and not os.path.isfile(os.path.join(out, "config.json")):
+    names = sorted(os.listdir(out))
+    others = [name for name in names if not _is_export_file(out, name)]
+    if others:
+        raise CheckpointError(
+            f"{out}: holds {others[0]!r}, which no export writes; give a new or empty folder "
+            "(an earlier export there is replaced whole)"
+        )
+    if names and "config.json" not in names:
         raise CheckpointError(
             f"{out}: holds files but no export (no config.json); give a new or empty folder"
         )

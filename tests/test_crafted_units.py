@@ -402,3 +402,20 @@ def test_oversized_latest_and_lock_on_a_store_are_no_outage():
     fs.pipe_file(f"{path}/.lock", b"{" + b" " * objstore.SMALL_CAP + b"}")
     objstore.take_lock(url, "mine")
     assert json.loads(fs.cat_file(f"{path}/.lock"))["run"] == "mine"
+
+
+def test_another_runs_checkpoint_into_a_folder_of_checkpoints_is_refused(tmp_path):
+    """`--resume PATH` from another run into an --out_dir that holds checkpoints would overwrite
+    that run's steps of the same number and prune the rest: refused, before anything changes.
+    Into an empty folder, or from the folder's own checkpoints (an earlier step: a branch), it
+    goes ahead."""
+    other = tmp_path / "a" / "checkpoints" / "step-00000004"
+    other.mkdir(parents=True)
+    root = tmp_path / "b" / "checkpoints"
+    (root / "step-00000002").mkdir(parents=True)
+    paths, error = checkpoint._candidates(str(root), str(other))
+    assert paths == [] and "not one of" in error and "another (or a new) --out_dir" in error
+    own = str(root / "step-00000002") + "/"  # a trailing slash: still its own
+    assert checkpoint._candidates(str(root), own) == ([own], None)
+    empty = tmp_path / "c" / "checkpoints"
+    assert checkpoint._candidates(str(empty), str(other)) == ([str(other)], None)

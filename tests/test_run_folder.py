@@ -157,16 +157,18 @@ def test_an_export_is_fsynced(done, tmp_path, fsynced):
 def test_an_export_is_written_whole_or_not_at_all(done, tmp_path, monkeypatch):
     """An export replaces an earlier one whole (a file the new one does not write goes too); one
     that fails (here at its fsync; a kill or a full disk alike) leaves the earlier export as it
-    was, never a mix; a folder of other files is refused, not replaced."""
+    was, never a mix; a folder of other files, or an export with anything beside it, is refused,
+    not replaced, and so is a folder inside the checkpoint (its manifest would no longer match)."""
     import checkpoint
 
     out = tmp_path / "export"
     checkpoint.export(latest(done), str(out))
-    (out / "stale.bin").write_bytes(b"from an earlier export")
+    stale = "model-00002-of-00002.safetensors"  # an earlier export, sharded
+    (out / stale).write_bytes(b"from an earlier export")
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     checkpoint.export(latest(done), str(out))
-    assert "stale.bin" not in os.listdir(out) and sorted(os.listdir(tmp_path)) == ["export"]
-    (out / "stale.bin").write_bytes(b"from an earlier export")
+    assert stale not in os.listdir(out) and sorted(os.listdir(tmp_path)) == ["export"]
+    (out / stale).write_bytes(b"from an earlier export")
 
     def full_disk(root):
         raise OSError(28, "No space left on device", root)
@@ -179,8 +181,21 @@ def test_an_export_is_written_whole_or_not_at_all(done, tmp_path, monkeypatch):
     other = tmp_path / "notes"
     other.mkdir()
     (other / "mine.txt").write_text("not an export")
-    with pytest.raises(checkpoint.CheckpointError, match="holds files but no export"):
+    with pytest.raises(checkpoint.CheckpointError, match="holds 'mine.txt', which no export"):
         checkpoint.export(latest(done), str(other))
+    (other / "config.json").write_text("{}")  # a base model's folder, a project's: not ours
+    with pytest.raises(checkpoint.CheckpointError, match="holds 'mine.txt', which no export"):
+        checkpoint.export(latest(done), str(other))
+    assert sorted(os.listdir(other)) == ["config.json", "mine.txt"]
+    (out / "data").mkdir()
+    with pytest.raises(checkpoint.CheckpointError, match="holds 'data', which no export"):
+        checkpoint.export(latest(done), str(out))
+    own = os.path.join(latest(done), "hf")
+    files = sorted(os.listdir(own))
+    with pytest.raises(checkpoint.CheckpointError, match="inside the checkpoint"):
+        checkpoint.export(latest(done), own)
+    assert sorted(os.listdir(own)) == files
+    checkpoint.verify(latest(done))
 
 
 def test_what_a_killed_export_left_is_removed_by_the_next(done, tmp_path):
