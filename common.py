@@ -42,6 +42,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import OffloadPolicy
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 from transformers import AutoConfig
 from transformers import AutoTokenizer
@@ -838,6 +839,24 @@ def neutral_generation_config(stop_ids, pad_id):
     trainer computes logprobs for. Set this as the model's generation_config while training; the
     model folder's own is kept for the export."""
     return GenerationConfig(eos_token_id=list(stop_ids), pad_token_id=pad_id)
+
+
+def clip_grad_norm(model, max_norm, role):
+    """Clip the model's gradients to a global norm of max_norm (torch's clip_grad_norm_, across
+    FSDP2's shards) and return that norm, taken before clipping (a 0-d tensor). A norm that is
+    not finite stops the run before the optimizer applies it: a NaN in the weights would
+    otherwise train on to the end, exit 0, and save checkpoints that `--keep_last` lets replace
+    the good ones (an `--lr` of 1e30 passes every flag check). Every rank holds the same global
+    norm, so all stop together; the `.item()` is one host sync per optimizer step."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if isinstance(grad_norm, DTensor):
+        grad_norm = grad_norm.full_tensor()  # a DTensor under FSDP2: the norm over all shards
+    if not math.isfinite(grad_norm.item()):
+        raise SystemExit(
+            f"error: the {role}'s gradient norm is {grad_norm.item()}: training diverged (a --lr "
+            "too high?); this step was not applied, and no checkpoint after the last one was saved"
+        )
+    return grad_norm
 
 
 # ---- the end of every step -----------------------------------------------------------------------

@@ -289,8 +289,7 @@ def train_step(args, model, reference, optim, sched, mine, pad_id, device):
         logps = (pi_chosen.detach(), pi_rejected.detach(), ref_chosen, ref_rejected)
         for name, value in dpo_statistics(*logps, args.beta).items():
             sums[name] = sums.get(name, 0.0) + value
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-    grad_norm = grad_norm.full_tensor()  # a DTensor under FSDP2: the norm over all shards
+    grad_norm = common.clip_grad_norm(model, args.max_grad_norm, "policy")
     optim.step()
     lr = sched.get_last_lr()[0]  # the rate this step trained at (before the schedule moves on)
     sched.step()

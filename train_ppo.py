@@ -950,8 +950,8 @@ def ppo_update(args, models, roles, exp, kl_coef):
 
 def optimizer_step(roles, max_grad_norm):
     """Clip each model's global gradient norm [37 core #11], step, and clear the gradients."""
-    for model, optim in roles.values():
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    for role, (model, optim) in roles.items():
+        common.clip_grad_norm(model, max_grad_norm, role)  # a norm that is not finite: stop
         optim.step()
         optim.zero_grad(set_to_none=True)
 

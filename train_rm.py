@@ -279,8 +279,7 @@ def train_step(args, model, optim, sched, mine, pad_id, device):
         (loss * world).backward()
         sums["loss"] += loss.item()
         sums["correct"] += (r_chosen > r_rejected).sum().item()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-    grad_norm = grad_norm.full_tensor()  # a DTensor under FSDP2: the norm over all shards
+    grad_norm = common.clip_grad_norm(model, args.max_grad_norm, "reward model")
     optim.step()
     lr = sched.get_last_lr()[0]  # the rate this step trained at (before the schedule moves on)
     sched.step()

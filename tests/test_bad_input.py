@@ -1,6 +1,7 @@
 """Bad input gets one clear line naming the flag or file, not a traceback."""
 
 import json
+import os
 
 import pytest
 
@@ -202,6 +203,16 @@ def test_flags_out_of_range(tmp_path, monkeypatch, capsys, script, flag, value, 
     stderr = capsys.readouterr().err
     assert stderr.count("\n") == 1 and stderr.startswith("error:"), stderr  # no usage block
     assert flag in stderr and needle in stderr, stderr
+
+
+def test_a_diverging_run_stops_before_saving_nan(tmp_path):
+    """An --lr that is finite but absurd passes the flag checks; the weights it makes give NaN
+    gradients at step 2, which stop the run in one line instead of training to NaN, exiting 0
+    and saving NaN checkpoints (which --keep_last would let replace the good ones)."""
+    args = ("--out_dir", tmp_path, "--lr", 1e30, "--warmup_steps", 0, "--max_steps", 5)
+    p = run_py("train_sft.py", *args, "--save_every", 1, "--keep_last", 1)
+    assert_one_line_error(p, "the policy's gradient norm is nan", "training diverged")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step-00000001"]
 
 
 def test_the_documented_off_values_are_accepted(tmp_path, monkeypatch):
