@@ -732,6 +732,7 @@ def read_meta(path, step=None):
         "world_size": _is_count(meta.get("world_size")) and meta.get("world_size") >= 1,
         "roles": type(roles) is list and bool(roles) and all(type(r) is str for r in roles),
         "args": type(meta.get("args")) is dict,
+        "scheduler": "scheduler" not in meta or _schedules_at(meta["scheduler"], saved_step),
     }
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
@@ -748,6 +749,25 @@ def read_meta(path, step=None):
         except (LookupError, TypeError, ValueError, OverflowError, RuntimeError) as e:
             raise CheckpointError(f"{rng_path}: malformed RNG state ({type(e).__name__}: {e})")
     return meta
+
+
+def _schedules_at(value, step):
+    """Whether meta.json's "scheduler" (one LR scheduler's state, or {name: state} for PPO's
+    two) stands where a run of `step` steps leaves it: every stage steps its schedulers once per
+    step. A crafted position (a `last_epoch` of -1e9 trained at a negative rate, exit 0) is then
+    damage, which `--resume latest` falls back from; the states' other fields are checked when
+    they are restored (`restore_scheduler`)."""
+    states = [value]
+    if isinstance(value, dict) and "last_epoch" not in value:
+        states = list(value.values())
+    for state in states:
+        if not isinstance(state, dict):
+            return False
+        if type(state.get("last_epoch")) is not int or state["last_epoch"] != step:
+            return False
+        if type(state.get("_step_count")) is not int or state["_step_count"] != step + 1:
+            return False
+    return bool(states)
 
 
 def _check_rng(state):

@@ -81,6 +81,10 @@ def test_a_malformed_manifest_is_one_line(tmp_path, manifest):
         ("world_size", True),
         ("roles", []),
         ("format_version", 99),
+        ("scheduler", {"last_epoch": -(10**9), "_step_count": 2}),  # trained at a negative rate
+        ("scheduler", {"last_epoch": 10**30, "_step_count": 2}),
+        ("scheduler", {"actor": {"last_epoch": 1, "_step_count": 2}, "critic": {}}),
+        ("scheduler", "cosine"),  # stopped the resume, where an older checkpoint would do
     ],
 )
 def test_a_crafted_meta_json_is_a_damaged_checkpoint(tmp_path, field, value):
