@@ -280,12 +280,17 @@ def truncate_jsonl(path, step):
     """Keep the rows of path whose "step" is at most `step` (None: no row); written anew beside
     it, then renamed over it, so a kill in between leaves the old file."""
     kept = []
-    with checkpoint.open_regular(path) as f:
-        for line in f:
+    with checkpoint.open_regular(path, "rb") as f:
+        for raw in f:
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                continue  # garbled (a disk fault, a hand edit): not a row this run wrote
             try:
                 row = json.loads(line)
-            except ValueError:
-                row = None  # a kill can cut the last line short: only whole rows count
+            # a kill can cut the last line short: only whole rows count
+            except (ValueError, RecursionError):
+                row = None
             whole = line.endswith("\n") and isinstance(row, dict) and type(row.get("step")) is int
             if step is not None and whole and row["step"] <= step:
                 kept.append(line)
@@ -328,6 +333,8 @@ def load_jsonl(path, fields):
             row = json.loads(line, object_pairs_hook=unique_keys)
         except ValueError as e:
             raise SystemExit(f"error: {path}:{n}: not valid JSON ({e})")
+        except RecursionError:  # `[[[[...` 100,000 deep: the parser's recursion, not a row
+            raise SystemExit(f"error: {path}:{n}: not valid JSON (nested too deeply)")
         for field in fields:
             if not isinstance(row, dict) or not isinstance(row.get(field), str):
                 raise SystemExit(f"error: {path}:{n}: expected a string field {field!r}")
@@ -1035,6 +1042,11 @@ def release_collectives(seconds=0.2):
 def run(main, cls, limits):
     """main(parse_args(cls, limits)); a bad flag, a bad checkpoint or a failed collective ends in
     one line naming them (`print_error`), and the exit status 1."""
+    # A file name that is not UTF-8 (os.listdir gives it as surrogate escapes) must not make a
+    # line that names it raise: under a strict UTF-8 locale printing one is a UnicodeEncodeError
+    # (a damaged checkpoint's warning, and --resume latest's fallback with it, were lost so).
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(errors="backslashreplace")
     try:
         args = parse_args(cls, limits)
         quiet_console(args.verbose)

@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from conftest import REPO
+from conftest import run_py
 
 pytestmark = pytest.mark.slow
 CHATTER = ("WARNING", "Warning", "INFO", "Traceback", "LOAD REPORT", "Loading weights")
@@ -53,3 +54,15 @@ def test_errors_of_two_ranks_are_two_lines(tmp_path):
     status, lines = launch("sft", "--out_dir", tmp_path / "out", "--data", bad)
     assert status == 1
     assert lines == [f"error: {bad}:2: expected a string field 'prompt'"] * 2, lines
+
+
+def test_a_name_that_is_not_utf8_prints_under_a_strict_locale(tmp_path):
+    """os.listdir gives such a name as surrogate escapes; printing it under a strict UTF-8
+    stdout (a real en_US.UTF-8 locale) raised, and took a damaged checkpoint's fallback with it."""
+    code = (
+        "import common, train_sft; "
+        "common.run(lambda args: print('skipping step-\\udcff'), train_sft.Args, train_sft.LIMITS)"
+    )
+    env = {"PYTHONIOENCODING": "utf-8:strict", "PYTHONUTF8": "0"}
+    p = run_py("-c", code, "--out_dir", tmp_path, env=env)
+    assert p.returncode == 0 and "skipping step-\\udcff" in p.stdout, p.stderr[-2000:]

@@ -423,3 +423,45 @@ def test_another_runs_checkpoint_into_a_folder_of_checkpoints_is_refused(tmp_pat
     assert checkpoint._candidates(str(root), own) == ([own], None)
     empty = tmp_path / "c" / "checkpoints"
     assert checkpoint._candidates(str(empty), str(other)) == ([str(other)], None)
+
+
+def test_deeply_nested_or_garbled_json_lines_in_data_and_logs():
+    """A data file's line nested 100,000 deep is one line naming file and line (it was a
+    RecursionError); in metrics.jsonl such a line, or one that is not UTF-8, is dropped when a
+    resume truncates the log (it stopped the resume with a traceback), the whole rows kept."""
+    import tempfile
+
+    import common
+
+    with tempfile.TemporaryDirectory() as folder:
+        data = os.path.join(folder, "data.jsonl")
+        with open(data, "w") as f:
+            f.write(json.dumps({"prompt": "1+1=", "response": "2"}) + "\n" + "[" * 100_000 + "\n")
+        with pytest.raises(SystemExit, match="data.jsonl:2: not valid JSON .nested too deeply"):
+            common.load_jsonl(data, ["prompt", "response"])
+        log = os.path.join(folder, "metrics.jsonl")
+        rows = [json.dumps({"step": n}) + "\n" for n in (1, 2, 3)]
+        with open(log, "wb") as f:
+            f.write(rows[0].encode() + b"[" * 100_000 + b"\n" + rows[1].encode())
+            f.write(b'{"step": 2, "x": "\xff"}\n' + rows[2].encode())
+        common.truncate_jsonl(log, 2)
+        assert open(log).read() == rows[0] + rows[1]
+
+
+def test_a_checkpoint_folders_deep_is_damage_not_a_traceback(tmp_path):
+    """1,200 nested folders inside a checkpoint (deeper than Python's recursion limit) were a
+    RecursionError from the walk, in verify and in --resume latest's fallback."""
+    write_small_checkpoint(tmp_path)
+    deep = str(tmp_path)
+    for _ in range(1200):  # (os.makedirs recurses too)
+        deep = os.path.join(deep, "d")
+        os.mkdir(deep)
+    open(os.path.join(deep, "x"), "wb").close()
+    try:
+        with pytest.raises(checkpoint.CheckpointError, match="not listed in the manifest"):
+            checkpoint.verify(str(tmp_path))
+    finally:  # bottom up: pytest's own clean-up of tmp_path recurses, and would fail on it
+        os.unlink(os.path.join(deep, "x"))
+        for _ in range(1200):
+            os.rmdir(deep)
+            deep = os.path.dirname(deep)
