@@ -1580,7 +1580,11 @@ def _export(path, hf, out, role):
         generation_config = None
         if os.path.lexists(os.path.join(hf, "generation_config.json")):  # a reward model has none
             generation_config = GenerationConfig.from_pretrained(hf)
-    except (OSError, ValueError) as e:
+    except CheckpointError:
+        raise
+    # anything else transformers raises on a crafted hf/ (a config field of the wrong type,
+    # num_attention_heads 0, a tokenizer_config.json that is a list): the folder's, in one line
+    except Exception as e:
         raise CheckpointError(f"{hf}: cannot load ({describe(e)})")
     warnings.filterwarnings("ignore", "torch.distributed is disabled")  # no_dist says so: we know
     state = {role: {"model": model.state_dict()}}

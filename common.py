@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 import transformers.utils.logging
-from safetensors import SafetensorError
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import OffloadPolicy
@@ -583,7 +582,11 @@ def load_error(path, e, flag="--model"):
     local = path.startswith((".", "/", "~")) or path.count("/") > 1
     if local and not os.path.isdir(path):
         return f"error: {flag} {path}: no such folder"
-    return f"error: {flag} {path}: cannot load ({str(e).splitlines()[0]})"
+    lines = str(e).splitlines() or [""]
+    detail = lines[0]
+    if not isinstance(e, (OSError, ValueError)):  # a crafted file's TypeError, KeyError, ...
+        detail = f"{type(e).__name__}: {detail}"
+    return f"error: {flag} {path}: cannot load ({detail})"
 
 
 def attention_implementation(path, choice, flag="--model"):
@@ -652,14 +655,18 @@ def load_model_and_tokenizer(
         # trust_remote_code=False: an `auto_map` in the folder never runs its .py files (nor asks)
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
-    except (OSError, ValueError) as e:
+    # Anything: only transformers runs here, on the folder's files (a tokenizer_config.json that
+    # is a list, a config field of the wrong type fail in their own ways deep inside)
+    except Exception as e:
         raise SystemExit(load_error(path, e, flag))
+    check_chat_template(tok, path, flag)
     attention = attention_implementation(path, attn_implementation, flag)
     if attention is not None:
         kwargs["attn_implementation"] = attention
     check_num_labels(path, config, kwargs.get("num_labels"), flag)
     model, info = load_weights(path, classifier_class(config, cls), kwargs, flag)
     check_all_loaded(path, info["missing_keys"], new_head, flag)
+    check_generation_config(path, model, flag)
     if tok.eos_token_id is None:
         raise SystemExit(f"error: {flag} {path}: the tokenizer has no EOS token")
     if tok.pad_token_id is None:
@@ -679,14 +686,63 @@ def load_weights(path, model_class, kwargs, flag):
         return model_class.from_pretrained(
             path, dtype=torch.float32, trust_remote_code=False, output_loading_info=True, **kwargs
         )
-    except (OSError, ValueError, SafetensorError) as e:  # a cut or crafted model.safetensors too
-        raise SystemExit(load_error(path, e, flag))
     except RuntimeError as e:
         # transformers raises this after logging a report the quiet console hides
-        if "ignore_mismatched_sizes" not in str(e):
-            raise
-        shapes = "weights whose shapes differ from those its config.json gives"
-        raise SystemExit(f"error: {flag} {path}: cannot load ({shapes})")
+        if "ignore_mismatched_sizes" in str(e):
+            shapes = "weights whose shapes differ from those its config.json gives"
+            raise SystemExit(f"error: {flag} {path}: cannot load ({shapes})")
+        raise SystemExit(load_error(path, e, flag))  # e.g. a vocab_size too large to allocate
+    # a cut or crafted model.safetensors (SafetensorError), a config field of the wrong type or
+    # value (num_attention_heads 0: a ZeroDivisionError): the folder's, said in one line
+    except Exception as e:
+        raise SystemExit(load_error(path, e, flag))
+
+
+def check_chat_template(tok, path, flag):
+    """A chat template must render the turns plainrlhf gives it (a user turn with the generation
+    prompt; a user and an assistant turn): one that raises (a `raise_exception` call, bad Jinja
+    syntax, a number where the template belongs) would otherwise fail at the first prompt, or
+    in the middle of a run with a traceback."""
+    if not tok.chat_template:
+        return
+    user = [{"role": "user", "content": "1+1="}]
+    try:
+        tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+        tok.apply_chat_template(user + [{"role": "assistant", "content": "2"}], tokenize=False)
+    except Exception as e:
+        detail = (str(e).splitlines() or [""])[0]
+        raise SystemExit(
+            f"error: {flag} {path}: its chat template fails on a user turn "
+            f"({type(e).__name__}: {detail})"
+        )
+
+
+def check_generation_config(path, model, flag):
+    """The folder's generation_config.json must load (transformers falls back to one made from
+    config.json, silently losing its stop ids), and its eos_token_id must name tokens of the
+    model: a string or an id outside the embedding failed at the first evaluation, hours in (SFT),
+    or in vLLM's request check (PPO)."""
+    where = f"error: {flag} {path}: generation_config.json"
+    if os.path.isfile(os.path.join(path, "generation_config.json")):
+        try:
+            GenerationConfig.from_pretrained(path)
+        except Exception as e:
+            detail = (str(e).splitlines() or [""])[0]
+            raise SystemExit(f"{where}: cannot load ({type(e).__name__}: {detail})")
+    if model.generation_config is None:  # a classifier: it generates nothing
+        return
+    ids = model.generation_config.eos_token_id
+    if not isinstance(ids, list):
+        ids = [ids]
+    rows = model.get_input_embeddings().num_embeddings
+    for token_id in ids:
+        if token_id is None:
+            continue
+        if type(token_id) is not int or not 0 <= token_id < rows:
+            raise SystemExit(
+                f"{where}: eos_token_id {token_id!r} is no token of the model "
+                f"(expected ids 0 to {rows - 1})"
+            )
 
 
 def check_num_labels(path, config, num_labels, flag):

@@ -208,7 +208,7 @@ LIMITS = {
     "eval_every": ">= 0",
     "eval_samples": ">= 0",
     "save_every_minutes": ">= 0",
-    "timeout_minutes": "> 0",
+    "timeout_minutes": "> 0, <= 1e6",  # (timedelta takes at most ~1.5e12 minutes)
     "stop_at_step": ">= 0",
 }
 

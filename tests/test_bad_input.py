@@ -457,6 +457,81 @@ def test_a_damaged_model_folder_is_one_line(tmp_path, damage, needle):
     assert_one_line_error(p, f"--model {model_dir}: cannot load", needle)
 
 
+def edit_json(name, change):
+    """A damage: the model folder's `name` rewritten, `change` a text or a dict update."""
+
+    def damage(folder):
+        path = folder / name
+        if isinstance(change, str):
+            path.write_text(change)
+            return
+        data = json.loads(path.read_text())
+        data.update(change)
+        path.write_text(json.dumps(data))
+
+    return damage
+
+
+@pytest.mark.parametrize(
+    "damage,needle",
+    [
+        (edit_json("config.json", {"hidden_size": "abc"}), "cannot load (StrictDataclass"),
+        (edit_json("config.json", {"num_attention_heads": 0}), "cannot load (ZeroDivisionError"),
+        (edit_json("generation_config.json", "[]"), "cannot load (TypeError"),
+        (edit_json("generation_config.json", "{"), "generation_config.json: cannot load"),
+        (edit_json("tokenizer_config.json", "[1]"), "cannot load (AttributeError"),
+        (edit_json("tokenizer.json", '{"a": 1}'), "cannot load (KeyError"),
+        (
+            edit_json("tokenizer_config.json", {"chat_template": "{{ raise_exception('no') }}"}),
+            "its chat template fails on a user turn (TemplateError: no)",
+        ),
+        (
+            edit_json("tokenizer_config.json", {"chat_template": "{% for %}"}),
+            "its chat template fails on a user turn (TemplateSyntaxError",
+        ),
+        (
+            edit_json("generation_config.json", {"eos_token_id": "x"}),
+            "eos_token_id 'x' is no token of the model (expected ids 0 to 127)",
+        ),
+        (
+            edit_json("generation_config.json", {"eos_token_id": [2, 10**6]}),
+            "eos_token_id 1000000 is no token of the model",
+        ),
+    ],
+    ids=[
+        "config-field-type",
+        "zero-heads",
+        "generation-config-a-list",
+        "generation-config-cut",
+        "tokenizer-config-a-list",
+        "tokenizer-json-other",
+        "template-raises",
+        "template-syntax",
+        "eos-a-string",
+        "eos-outside-the-vocabulary",
+    ],
+)
+def test_a_crafted_model_folder_is_one_line(tmp_path, damage, needle):
+    """Crafted fields in a model folder were tracebacks from deep in transformers or Jinja, some
+    at load, some at the first prompt or the first evaluation (a stop id outside the vocabulary:
+    hours in, for SFT; vLLM's request check, for PPO). In process: the loader itself."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    import common
+    import task
+
+    task.ensure_tiny_model()
+    model_dir = tmp_path / "model"
+    shutil.copytree(task.TINY_MODEL, model_dir)
+    damage(model_dir)
+    with pytest.raises(SystemExit) as exit_info:
+        common.load_model_and_tokenizer(str(model_dir), AutoModelForCausalLM)
+    line = exit_info.value.code
+    assert line.startswith(f"error: --model {model_dir}") and needle in line, line
+
+
 def test_a_byte_order_mark_is_not_bad_input(tmp_path):
     """A JSONL file that starts with a UTF-8 byte-order mark (Notepad, PowerShell) is read."""
     import common

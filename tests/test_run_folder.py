@@ -367,3 +367,17 @@ def test_resume_truncates_samples_like_metrics(copy, addition_jsonl):
     run("train_sft.py", *sft(copy, addition_jsonl, "--resume", step2))
     assert open(os.path.join(copy, "samples.jsonl")).readlines() == lines[:1]
     assert [r["step"] for r in metrics(copy)] == [1, 2, 3, 4]
+
+
+def test_a_crafted_hf_folder_in_a_checkpoint_is_one_line_on_export(copy, tmp_path):
+    """checkpoint.py export loads the checkpoint's hf/ with transformers: a config field of the
+    wrong value (the manifest rewritten to match) raised a ZeroDivisionError, not the line."""
+    ckpt = latest(copy)
+    config_path = os.path.join(ckpt, "hf", "config.json")
+    config = json.load(open(config_path))
+    config["num_attention_heads"] = 0
+    json.dump(config, open(config_path, "w"))
+    rewrite_manifest(ckpt)
+    p = run_py("checkpoint.py", "export", ckpt, tmp_path / "export")
+    assert_one_line_error(p, "hf: cannot load (ZeroDivisionError")
+    assert not os.path.exists(tmp_path / "export")
