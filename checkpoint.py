@@ -1606,6 +1606,8 @@ USAGE = "usage: python checkpoint.py verify CKPT [CKPT...] | export CKPT OUT [--
 
 def cli(argv):
     argv = [objstore.local_path(a) for a in argv]  # file:///x is the local /x
+    if "" in argv:  # an empty OUT exported the whole model, then failed to write it
+        sys.exit(f"error: an empty argument; {USAGE}")
     for arg in argv:
         objstore.fs_of(arg)  # a store's client is installed, or one line says which to install
     match argv:

@@ -315,6 +315,8 @@ def unique_keys(pairs):
 
 def load_jsonl(path, fields):
     """The rows of a JSONL file, each an object with string `fields`; errors name file and line."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise SystemExit(f"error: {path}: not a file (a folder or a device); expected JSONL")
     if not os.path.isfile(path):
         raise SystemExit(f"error: {path}: no such file")
     rows = []
@@ -582,6 +584,11 @@ def load_error(path, e, flag="--model"):
     local = path.startswith((".", "/", "~")) or path.count("/") > 1
     if local and not os.path.isdir(path):
         return f"error: {flag} {path}: no such folder"
+    if os.path.isfile(os.path.join(path, "manifest.json")):
+        return (
+            f"error: {flag} {path}: a checkpoint, not a model folder; export it first "
+            f"(python checkpoint.py export {path} OUT) and give OUT"
+        )
     lines = str(e).splitlines() or [""]
     detail = lines[0]
     if not isinstance(e, (OSError, ValueError)):  # a crafted file's TypeError, KeyError, ...

@@ -465,3 +465,18 @@ def test_a_checkpoint_folders_deep_is_damage_not_a_traceback(tmp_path):
         for _ in range(1200):
             os.rmdir(deep)
             deep = os.path.dirname(deep)
+
+
+def test_small_misuses_are_named(tmp_path):
+    """A checkpoint given as --model, a folder or device as --data, an empty OUT for export
+    (which exported the whole model before failing to write it): each one line that says so."""
+    import common
+
+    write_small_checkpoint(tmp_path)
+    line = common.load_error(str(tmp_path), OSError("Can't load tokenizer"))
+    assert "a checkpoint, not a model folder; export it first" in line
+    for path in (str(tmp_path), "/dev/null"):
+        with pytest.raises(SystemExit, match="not a file .a folder or a device.; expected JSONL"):
+            common.load_jsonl(path, ["prompt"])
+    with pytest.raises(SystemExit, match="an empty argument"):
+        checkpoint.cli(["export", str(tmp_path), ""])
