@@ -736,9 +736,10 @@ def check_generation_config(path, model, flag):
         except Exception as e:
             detail = (str(e).splitlines() or [""])[0]
             raise SystemExit(f"{where}: cannot load ({type(e).__name__}: {detail})")
-    if model.generation_config is None:  # a classifier: it generates nothing
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is None:  # a classifier (transformers gives it none): it generates nothing
         return
-    ids = model.generation_config.eos_token_id
+    ids = generation_config.eos_token_id
     if not isinstance(ids, list):
         ids = [ids]
     rows = model.get_input_embeddings().num_embeddings
