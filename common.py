@@ -805,7 +805,26 @@ def classifier_class(config, cls):
     task_name = generic.__name__.removeprefix("Generic")  # ForTokenClassification
     name = pretrained.__name__.removesuffix("PreTrainedModel") + task_name
     body = {"config_class": family, "base_model_prefix": pretrained.base_model_prefix}
+    body["__init__"] = head_on_the_output_width(generic)
     return type(name, (generic, pretrained), body)
+
+
+def head_on_the_output_width(generic):
+    """An __init__ for classifier_class's built class: transformers' generic head reads
+    `hidden_size` features, but OPT's backbone projects its output to `word_embed_proj_dim`
+    (opt-350m: 1024 -> 512), as transformers' own OPTForSequenceClassification heeds; its critic
+    failed at the first forward ("mat1 and mat2 shapes cannot be multiplied"). The head is the
+    new one's either way: a critic's or reward model's head is initialised by the stage, or
+    loaded from the folder."""
+
+    def __init__(self, config):
+        generic.__init__(self, config)
+        width = getattr(config, "word_embed_proj_dim", None) or config.hidden_size
+        if width != self.score.in_features:
+            has_bias = self.score.bias is not None
+            self.score = torch.nn.Linear(width, self.score.out_features, bias=has_bias)
+
+    return __init__
 
 
 def check_all_loaded(path, missing, new_head, flag="--model"):

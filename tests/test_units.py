@@ -337,6 +337,32 @@ def test_a_classifier_of_a_family_transformers_has_none_for(tmp_path):
     assert "score.weight" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_built_critic_reads_opts_projected_output(tmp_path):
+    """OPT (opt-350m's shape) projects its last hidden states from hidden_size down to
+    word_embed_proj_dim; transformers has no OPT token classifier, and the built one's head read
+    hidden_size features: PPO's critic failed at its first forward."""
+    from transformers import AutoModelForTokenClassification
+    from transformers import OPTConfig
+    from transformers import OPTForCausalLM
+
+    config = OPTConfig(
+        vocab_size=128,
+        hidden_size=128,
+        word_embed_proj_dim=64,
+        ffn_dim=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    OPTForCausalLM(config).save_pretrained(tmp_path)  # a causal LM folder, as an SFT export
+    critic_class = common.classifier_class(config, AutoModelForTokenClassification)
+    critic = critic_class.from_pretrained(tmp_path, num_labels=1)
+    assert common.value_head(critic).in_features == 64
+    values = critic(input_ids=torch.tensor([[5, 6, 7, 8]])).logits
+    assert values.shape == (1, 4, 1)
+
+
 def sentencepiece_like_tokenizer():
     """Llama 2's conventions, built offline: BPE over characters with byte fallback and
     Metaspace's "▁" prefix on the first word of a text; "▁8" one token."""
