@@ -71,10 +71,32 @@ def build_engine(
         except ImportError:
             kind = "hf"
     if kind == "vllm":
+        check_reloadable(model_path)
         return VLLMEngine(
             model_path, max_model_len, seed, stop_ids, gpu_memory_utilization, enforce_eager
         )
     return HFEngine(model_path, max_model_len, seed, stop_ids, attn_implementation)
+
+
+# Families whose weights vLLM 0.32's in-place reload (`_vllm_reload_weights`) does not reach:
+# the engine would go on sampling from the first weights while the actor trains (PPO only warns,
+# through rollout/logprob_diff_mean). Found by hand, 2026-11-25, on tiny random models.
+NOT_RELOADABLE = {
+    "gpt_oss": "its experts and attention sinks are loaded by plain copies that vLLM's in-place "
+    "reload never repeats: the engine's logprobs were 0.25 from the actor's after one update",
+}
+
+
+def check_reloadable(model_path):
+    """Refuse the vLLM engine, in one line, for a family whose weights it cannot take anew."""
+    from transformers import AutoConfig
+
+    model_type = AutoConfig.from_pretrained(model_path, trust_remote_code=False).model_type
+    if model_type in NOT_RELOADABLE:
+        raise SystemExit(
+            f"error: --rollout_engine vllm: {model_type} models cannot take new weights in vLLM "
+            f"0.32 ({NOT_RELOADABLE[model_type]}); use --rollout_engine hf"
+        )
 
 
 class VLLMEngine:
@@ -121,7 +143,16 @@ class VLLMEngine:
             kwargs["enforce_eager"] = True
             kwargs["kv_cache_memory_bytes"] = 256 << 20
         before = _model_classes()
-        self.llm = LLM(**kwargs)
+        try:
+            self.llm = LLM(**kwargs)
+        # vLLM has no code for the family, or its loader fails on it (DBRX in vllm 0.32: a
+        # KeyError): one line, and the way around it, not vLLM's traceback of ~200 lines
+        except Exception as e:
+            detail = (str(e).splitlines() or [""])[0]
+            raise SystemExit(
+                f"error: --rollout_engine vllm: vLLM could not build an engine for {model_path} "
+                f"({type(e).__name__}: {detail}); --rollout_engine hf generates with transformers"
+            )
         _keep_decoration_to_the_engine(self.llm, before)
         self.asleep = False
         self.folder_names = True  # tensors as the model folder names them (`sync_weights`)
