@@ -1139,7 +1139,10 @@ def resolve(out_dir, resume):
         raise CheckpointError(plan[1])
     _run["id"] = plan[2]
     _run["latest"] = plan[3]  # for a failed save's message when the store is unreachable
-    path, error = _choose(plan[0], resume)
+    mode = resume
+    if resume not in ("", "latest") and plan[0] != [resume]:
+        mode = "latest"  # a restart of a run started from another run's checkpoint (_candidates)
+    path, error = _choose(plan[0], mode)
     if error:
         raise CheckpointError(error)
     _run["branch"] = _branch_of(path, os.path.join(out_dir, "checkpoints"))
@@ -1243,14 +1246,21 @@ def _candidates(root, resume):
     checkpoints folder `root`."""
     names, top = _step_dirs(root)
     if resume and resume != "latest":  # --resume PATH: that one, or a clear error
-        if names and not _branch_of(resume, root):
-            # another run's checkpoint into a folder of this one's: its saves would overwrite
-            # this run's steps of the same number, and --keep_last prune the others
+        if not names or _branch_of(resume, root):
+            return [resume], None
+        if _restarted() and _started_from(os.path.join(root, top or names[0]), resume):
+            # torchrun restarted a run that started from another run's checkpoint: the newest
+            # here are its own (their meta.json has this very --resume), newer than PATH
+            print(f"restarted: resuming from {root}'s newest checkpoint, not {resume}")
+            resume = "latest"
+        else:
+            # another run's checkpoint into a folder of checkpoints: its saves would overwrite
+            # those of the same step, and --keep_last prune the others
             return [], (
-                f"--resume {resume}: not one of {root}'s checkpoints, and that folder holds an "
-                "earlier run's: use another (or a new) --out_dir to continue from it"
+                f"--resume {resume}: not one of {root}'s checkpoints, and that folder holds a "
+                "run's: --resume latest continues that run; to start from PATH, use a new "
+                "--out_dir"
             )
-        return [resume], None
     if not resume:
         if names:  # a fresh start must not mix its metrics and saves with an earlier run's
             hint = "--resume latest continues it; or use another --out_dir"
@@ -1261,6 +1271,24 @@ def _candidates(root, resume):
     if top in names:
         candidates = [top] + [n for n in names if _step_of(n) < _step_of(top)]
     return [os.path.join(root, name) for name in candidates], None
+
+
+def _started_from(path, resume):
+    """Whether the checkpoint at path was saved by a run started with `--resume resume`."""
+    try:
+        meta = _read_json(os.path.join(path, "meta.json"))
+    except (CheckpointError, OSError, ValueError, RecursionError):
+        return False
+    return (
+        type(meta) is dict
+        and type(meta.get("args")) is dict
+        and meta["args"].get("resume") == resume
+    )
+
+
+def _restarted():
+    """Whether torchrun --max-restarts restarted this process group."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
 
 
 def _choose(paths, resume):
@@ -1438,7 +1466,7 @@ def export(path, out, role=None):
             _export_from(path, manifest, role, os.path.join(local, "out"), local)
             _store_call(objstore.upload_folder, out, os.path.join(local, "out"))
         return
-    _check_export_folder(out, path)
+    _check_export_folder(out, path, manifest)
     parent, name = os.path.split(os.path.abspath(out))
     _remove_dead_staging(parent, name)
     # whose it is (host, pid), for `_remove_dead_staging` after a kill
@@ -1480,12 +1508,19 @@ EXPORT_FILES = {
 }
 
 
-def _is_export_file(root, name):
-    """Whether root/name is a regular file an export writes (a weight shard of any count too)."""
-    if not stat.S_ISREG(os.lstat(os.path.join(root, name)).st_mode):
+def _is_export_file(root, name, tokenizer_files):
+    """Whether root/name is what an export writes: a regular file of EXPORT_FILES, a weight shard
+    of any count, or a file the checkpoint's own tokenizer saved (`tokenizer_files`: a Mistral
+    tokenizer's tekken.json, a Japanese one's emoji.json), or the folder of a tokenizer's named
+    chat templates (Command-R's), holding templates only."""
+    path = os.path.join(root, name)
+    mode = os.lstat(path).st_mode
+    if stat.S_ISDIR(mode) and name == "additional_chat_templates":
+        return all(n.endswith(".jinja") for n in os.listdir(path))
+    if not stat.S_ISREG(mode):
         return False
     shard = name.startswith("model-") and name.endswith(".safetensors") and "-of-" in name
-    return name in EXPORT_FILES or shard
+    return name in EXPORT_FILES or name in tokenizer_files or shard
 
 
 def _within(inner, outer):
@@ -1495,7 +1530,7 @@ def _within(inner, outer):
     return os.path.commonpath([inner, outer]) == outer
 
 
-def _check_export_folder(out, path):
+def _check_export_folder(out, path, manifest):
     """`out` may be new, an empty folder, or an earlier export (only files an export writes, one
     of them config.json), which the export replaces whole; anything else (a file, a symlink, a
     folder that holds anything else: a base model's README, a user's notes, a run folder) is
@@ -1509,7 +1544,9 @@ def _check_export_folder(out, path):
     if os.path.islink(out) or not os.path.isdir(out):
         raise CheckpointError(f"{out}: not a folder (a file or a symlink); give a new folder")
     names = sorted(os.listdir(out))
-    others = [name for name in names if not _is_export_file(out, name)]
+    # what the checkpoint's hf/ holds (its tokenizer's files), from its verified manifest
+    tokenizer_files = {rel[3:] for rel in manifest["files"] if rel.startswith("hf/")}
+    others = [name for name in names if not _is_export_file(out, name, tokenizer_files)]
     if others:
         raise CheckpointError(
             f"{out}: holds {others[0]!r}, which no export writes; give a new or empty folder "

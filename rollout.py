@@ -60,16 +60,13 @@ def build_engine(
     enforce_eager=False,
     attn_implementation=None,
 ):
-    """kind: 'vllm', 'hf', or 'auto' (vllm when it imports). stop_ids: the token ids a response
+    """kind: 'vllm', 'hf', or 'auto' (vllm when it imports and takes the family's new weights:
+    `_auto_engine`). stop_ids: the token ids a response
     ends at (`common.stop_token_ids`). attn_implementation: the HF engine's, as the trainer's
     (`common.attention_implementation`). Build it before restoring a checkpoint's RNG: vLLM seeds
     the global generators while it starts."""
     if kind == "auto":
-        kind = "vllm"
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
-            kind = "hf"
+        kind = _auto_engine(model_path)
     if kind == "vllm":
         check_reloadable(model_path)
         return VLLMEngine(
@@ -87,24 +84,41 @@ NOT_RELOADABLE = {
 }
 
 
-def check_reloadable(model_path):
-    """Refuse the vLLM engine, in one line, for a family whose weights it cannot take anew."""
+def _model_type(model_path):
     from transformers import AutoConfig
 
-    model_type = AutoConfig.from_pretrained(model_path, trust_remote_code=False).model_type
-    if model_type in NOT_RELOADABLE:
+    return AutoConfig.from_pretrained(model_path, trust_remote_code=False).model_type
+
+
+def check_reloadable(model_path):
+    """Refuse the vLLM engine, in one line, for a family whose weights it cannot take anew."""
+    family = _model_type(model_path)
+    if family in NOT_RELOADABLE:
         raise SystemExit(
-            f"error: --rollout_engine vllm: {model_type} models cannot take new weights in vLLM "
-            f"0.32 ({NOT_RELOADABLE[model_type]}); use --rollout_engine hf"
+            f"error: --rollout_engine vllm: {family} models cannot take new weights in vLLM "
+            f"0.32 ({NOT_RELOADABLE[family]}); use --rollout_engine hf"
         )
+
+
+def _auto_engine(model_path):
+    """--rollout_engine auto: 'vllm' when it imports and can take the family's new weights, else
+    'hf' (said on rank 0 when vLLM is there but cannot: not a silent fallback)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return "hf"
+    family = _model_type(model_path)
+    if family in NOT_RELOADABLE:
+        if dist.get_rank() == 0:
+            print(f"rollout engine: hf, not vLLM ({family} models cannot take new weights there)")
+        return "hf"
+    return "vllm"
 
 
 class VLLMEngine:
     def __init__(
         self, model_path, max_model_len, seed, stop_ids, gpu_memory_utilization, enforce_eager
     ):
-        from vllm import LLM
-
         self.stop_ids = list(stop_ids)
         self.gpu = torch.cuda.is_available()
         # plain `python` has no torchrun variables; vLLM's external launcher reads them
@@ -143,16 +157,7 @@ class VLLMEngine:
             kwargs["enforce_eager"] = True
             kwargs["kv_cache_memory_bytes"] = 256 << 20
         before = _model_classes()
-        try:
-            self.llm = LLM(**kwargs)
-        # vLLM has no code for the family, or its loader fails on it (DBRX in vllm 0.32: a
-        # KeyError): one line, and the way around it, not vLLM's traceback of ~200 lines
-        except Exception as e:
-            detail = (str(e).splitlines() or [""])[0]
-            raise SystemExit(
-                f"error: --rollout_engine vllm: vLLM could not build an engine for {model_path} "
-                f"({type(e).__name__}: {detail}); --rollout_engine hf generates with transformers"
-            )
+        self.llm = _start_llm(kwargs)
         _keep_decoration_to_the_engine(self.llm, before)
         self.asleep = False
         self.folder_names = True  # tensors as the model folder names them (`sync_weights`)
@@ -212,6 +217,21 @@ class VLLMEngine:
         calls). Trap: it also destroys the trainer's default process group
         (`cleanup_dist_env_and_memory`), so call it last, after the final barrier."""
         self.llm.llm_engine.engine_core.shutdown()
+
+
+def _start_llm(kwargs):
+    """vllm.LLM(**kwargs); where vLLM has no code for the family or its loader fails on it (DBRX
+    in vllm 0.32: a KeyError), one line and the way around it, not vLLM's ~200-line traceback."""
+    from vllm import LLM
+
+    try:
+        return LLM(**kwargs)
+    except Exception as e:
+        detail = (str(e).splitlines() or [""])[0]
+        raise SystemExit(
+            f"error: --rollout_engine vllm: vLLM could not build an engine for {kwargs['model']} "
+            f"({type(e).__name__}: {detail}); --rollout_engine hf generates with transformers"
+        )
 
 
 def _model_has_lm_head(worker):

@@ -126,7 +126,7 @@ class Args:
     temperature: float = 1.0
     """sampling temperature, applied to the logits of every logprob too [N policy #1]"""
     rollout_engine: typing.Literal["auto", "vllm", "hf"] = "auto"
-    """vllm, hf, or auto (vllm when installed)"""
+    """vllm, hf, or auto (vllm when installed and it takes the family's new weights)"""
     gpu_memory_utilization: float = 0.3
     """GPU only: share of GPU memory vLLM may take (the trainer needs the rest)"""
     enforce_eager: bool = False

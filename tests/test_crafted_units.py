@@ -408,21 +408,28 @@ def test_oversized_latest_and_lock_on_a_store_are_no_outage():
     assert json.loads(fs.cat_file(f"{path}/.lock"))["run"] == "mine"
 
 
-def test_another_runs_checkpoint_into_a_folder_of_checkpoints_is_refused(tmp_path):
+def test_another_runs_checkpoint_into_a_folder_of_checkpoints_is_refused(tmp_path, monkeypatch):
     """`--resume PATH` from another run into an --out_dir that holds checkpoints would overwrite
     that run's steps of the same number and prune the rest: refused, before anything changes.
     Into an empty folder, or from the folder's own checkpoints (an earlier step: a branch), it
-    goes ahead."""
+    goes ahead. A torchrun restart of a run started so carries on from its own checkpoints
+    (their meta.json has this --resume), never from a foreign run's."""
     other = tmp_path / "a" / "checkpoints" / "step-00000004"
     other.mkdir(parents=True)
     root = tmp_path / "b" / "checkpoints"
     (root / "step-00000002").mkdir(parents=True)
+    (root / "step-00000002" / "meta.json").write_text(json.dumps({"args": {"resume": ""}}))
     paths, error = checkpoint._candidates(str(root), str(other))
-    assert paths == [] and "not one of" in error and "another (or a new) --out_dir" in error
+    assert paths == [] and "not one of" in error and "--resume latest continues" in error
     own = str(root / "step-00000002") + "/"  # a trailing slash: still its own
     assert checkpoint._candidates(str(root), own) == ([own], None)
     empty = tmp_path / "c" / "checkpoints"
     assert checkpoint._candidates(str(empty), str(other)) == ([str(other)], None)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    paths, error = checkpoint._candidates(str(root), str(other))  # a foreign run's, still
+    assert paths == [] and "not one of" in error
+    (root / "step-00000002" / "meta.json").write_text(json.dumps({"args": {"resume": str(other)}}))
+    assert checkpoint._candidates(str(root), str(other)) == ([str(root / "step-00000002")], None)
 
 
 def test_deeply_nested_or_garbled_json_lines_in_data_and_logs():
@@ -480,3 +487,19 @@ def test_small_misuses_are_named(tmp_path):
             common.load_jsonl(path, ["prompt"])
     with pytest.raises(SystemExit, match="an empty argument"):
         checkpoint.cli(["export", str(tmp_path), ""])
+
+
+def test_an_earlier_export_of_any_tokenizer_kind_may_be_replaced(tmp_path):
+    """An export replaces only a folder of what exports write: besides EXPORT_FILES, the files the
+    checkpoint's own tokenizer saved (a Mistral tokenizer's tekken.json) and the folder of named
+    chat templates (Command-R's); a user's file or folder there is not ours."""
+    (tmp_path / "tekken.json").write_text("{}")
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("{{ x }}")
+    (tmp_path / "notes").mkdir()
+    assert checkpoint._is_export_file(str(tmp_path), "tekken.json", {"tekken.json"})
+    assert not checkpoint._is_export_file(str(tmp_path), "tekken.json", set())
+    assert checkpoint._is_export_file(str(tmp_path), "additional_chat_templates", set())
+    assert not checkpoint._is_export_file(str(tmp_path), "notes", set())
+    (tmp_path / "additional_chat_templates" / "mine.txt").write_text("not a template")
+    assert not checkpoint._is_export_file(str(tmp_path), "additional_chat_templates", set())
