@@ -22,11 +22,19 @@ PY = sys.executable
 TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
 
 
-def run(script, *args, nproc=2, check=True, timeout=600, env=None):
-    """`torchrun --standalone --nproc_per_node=nproc script args`; returns the CompletedProcess."""
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def run(script, *args, nproc=2, check=True, timeout=600, env=None, gpu=False):
+    """`torchrun --standalone --nproc_per_node=nproc script args`; returns the CompletedProcess.
+    Without gpu, the run sees no GPU even where there is one: the CPU suite's checks are fp32
+    and bitwise (on a GPU the same code runs NCCL and bf16), and 2 ranks on a 1-GPU machine would
+    ask for a device that is not there. tests/test_gpu.py passes gpu=True."""
     path = os.path.join(REPO, script)
     cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", path, *map(str, args)]
-    full_env = {**os.environ, **(env or {})}
+    full_env = {**os.environ, **CPU_ONLY, **(env or {})}
+    if gpu:
+        full_env = {**os.environ, **(env or {})}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=full_env)
     if check and p.returncode != 0:
         raise AssertionError(
@@ -36,9 +44,10 @@ def run(script, *args, nproc=2, check=True, timeout=600, env=None):
 
 
 def run_py(*args, check=False, timeout=300, env=None):
-    """Plain `python args...` in the repo (one process; the scripts make their own 1-rank group)."""
+    """Plain `python args...` in the repo (one process; the scripts make their own 1-rank group),
+    on the CPU as `run` without gpu."""
     cmd = [PY, *map(str, args)]
-    full_env = {**os.environ, **(env or {})}
+    full_env = {**os.environ, **CPU_ONLY, **(env or {})}
     return subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=full_env
     )

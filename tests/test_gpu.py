@@ -21,9 +21,9 @@ def test_sft_resume_exact_on_gpu(tmp_path, addition_jsonl):
     args += ("--max_steps", 8, "--eval_every", 0, "--save_every", 100)
     a = str(tmp_path / "a")
     b = str(tmp_path / "b")
-    run("train_sft.py", *args, "--out_dir", a, nproc=n)
-    run("train_sft.py", *args, "--out_dir", b, "--stop_at_step", 3, nproc=n)
-    p = run("train_sft.py", *args, "--out_dir", b, "--resume", "latest", nproc=n)
+    run("train_sft.py", *args, "--out_dir", a, nproc=n, gpu=True)
+    run("train_sft.py", *args, "--out_dir", b, "--stop_at_step", 3, nproc=n, gpu=True)
+    p = run("train_sft.py", *args, "--out_dir", b, "--resume", "latest", nproc=n, gpu=True)
     assert "at step 3" in p.stdout, p.stdout[-2000:]  # it resumed (not started over)
     # CUDA attention backward kernels are not bitwise deterministic run to run, so the GPU check is
     # to a tolerance; the bitwise check is the CPU suite's (same code path).
@@ -40,9 +40,9 @@ def test_async_save_on_nccl(tmp_path, addition_jsonl):
     args = ("--data", addition_jsonl, "--train_batch_size", 16, "--micro_batch_size", 4)
     args += ("--max_steps", 6, "--eval_every", 0, "--save_every", 1, "--async_save", "true")
     args += ("--out_dir", str(tmp_path))
-    run("train_sft.py", *args, "--stop_at_step", 3, nproc=n)
+    run("train_sft.py", *args, "--stop_at_step", 3, nproc=n, gpu=True)
     assert latest(str(tmp_path)).endswith("step-00000003")
-    p = run("train_sft.py", *args, "--resume", "latest", nproc=n)
+    p = run("train_sft.py", *args, "--resume", "latest", nproc=n, gpu=True)
     assert "at step 3" in p.stdout, p.stdout[-2000:]  # it resumed (not started over)
     assert [r["step"] for r in metrics(str(tmp_path))] == list(range(1, 7))
 
@@ -58,13 +58,24 @@ def test_qwen2_sft_then_ppo_hf_engine_on_gpu(tmp_path):
     build_qwen2(base)
     sft_out = str(tmp_path / "sft")
     args = ("--model", base, "--out_dir", sft_out, "--max_steps", 40, "--eval_every", 0)
-    run("train_sft.py", *args, "--eval_samples", 16, "--save_every", 100, "--lr", 1e-3, nproc=1)
+    run(
+        "train_sft.py",
+        *args,
+        "--eval_samples",
+        16,
+        "--save_every",
+        100,
+        "--lr",
+        1e-3,
+        nproc=1,
+        gpu=True,
+    )
     assert metrics(sft_out)[-1]["train/loss"] < metrics(sft_out)[0]["train/loss"]
     model = str(tmp_path / "sft" / "hf")
     for offload in ("false", "true"):
         out = str(tmp_path / f"ppo-offload-{offload}")
         args = (*ppo_args(out, model, "hf"), "--offload_frozen", offload)
-        p = run("train_ppo.py", *args, nproc=1)
+        p = run("train_ppo.py", *args, nproc=1, gpu=True)
         assert "peak GPU memory" in p.stdout.splitlines()[-1], p.stdout[-500:]
         rows = metrics(out)[1:]
         assert len(rows) == 3

@@ -525,3 +525,32 @@ def test_building_the_tiny_model_leaves_the_callers_rng_alone(tmp_path):
     task.ensure_tiny_model(str(tmp_path))
     assert (tmp_path / "model.safetensors").exists()
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_frozen_model_reshards_its_root_after_a_forward():
+    """FSDP2 reshards a root in its backward; a frozen model (PPO's reference and reward model,
+    DPO's reference) has none, so its embeddings and head stayed gathered all run (on a GPU,
+    ~2 GB per frozen 8B-class model). Its root now reshards after each forward; a trained
+    model's root keeps FSDP2's default (gathered until its backward)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    import task
+
+    task.ensure_tiny_model()
+    ours_group = not dist.is_initialized()
+    if ours_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for frozen in (True, False):
+            model = AutoModelForCausalLM.from_pretrained(task.TINY_MODEL)
+            model.requires_grad_(not frozen)
+            common.shard_model(model, torch.device("cpu"))
+            with torch.no_grad():
+                model(input_ids=torch.tensor([[5, 6, 7]]))
+            sharded = isinstance(model.get_input_embeddings().weight, DTensor)
+            assert sharded == frozen
+    finally:
+        if ours_group:
+            dist.destroy_process_group()
