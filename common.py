@@ -163,7 +163,14 @@ def init_distributed(seed, timeout_minutes=30.0):
     store = dist.PrefixStore(f"attempt{attempt}/", store)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if local_rank >= torch.cuda.device_count():  # CUDA's own error says "invalid ordinal"
+            raise SystemExit(
+                f"error: local rank {local_rank}, but this machine has "
+                f"{torch.cuda.device_count()} GPUs: start at most one process per GPU "
+                "(NPROC_PER_NODE)"
+            )
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         dist.init_process_group(
             "nccl", device_id=device, store=store, rank=rank, world_size=world, timeout=timeout

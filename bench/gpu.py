@@ -41,7 +41,9 @@ sys.path.insert(0, os.path.join(REPO, "tests"))
 
 # Dense bf16 tensor-core peaks (no sparsity), from NVIDIA's data sheets: H100 SXM and H200 share the
 # H100's compute.
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+# dense bf16 tensor-core peaks from NVIDIA's data sheets; the first key in a device's name wins
+# (the PCIe H100 runs at 756 TFLOPS, the SXM one at 989)
+PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
 QWEN2_05B = dict(
     hidden_size=896,
     intermediate_size=4864,
