@@ -963,7 +963,8 @@ def clip_grad_norm(model, max_norm, role):
     if not math.isfinite(grad_norm.item()):
         raise SystemExit(
             f"error: the {role}'s gradient norm is {grad_norm.item()}: training diverged (a --lr "
-            "too high?); this step was not applied, and no checkpoint after the last one was saved"
+            "too high? a score or statistic too large?); this step was not applied, and no "
+            "checkpoint after the last one was saved"
         )
     return grad_norm
 

@@ -22,6 +22,7 @@ import hashlib
 import importlib
 import json
 import math
+import numbers
 import os
 import time
 import typing
@@ -535,18 +536,38 @@ def reward_normalisation(config, where):
         common.print0(f"{where}: config.json has no reward_mean/reward_std; using the raw score")
         return None
     for name, value in (("reward_mean", mean), ("reward_std", std)):
-        # bool is an int in Python, and a JSON true is no statistic
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise SystemExit(f"{where}/config.json: {name} must be a number, got {value!r}")
-        if not math.isfinite(value):
-            raise SystemExit(f"{where}/config.json: {name} must be finite, got {value!r}")
+        if finite_number(value) is None:
+            raise SystemExit(
+                f"error: {where}/config.json: {name} must be a number finite in float32, got "
+                f"{value!r:.200}"
+            )
+    mean = finite_number(mean)
+    std = finite_number(std)
     if std < 0:
-        raise SystemExit(f"{where}/config.json: reward_std must be >= 0, got {std!r}")
+        raise SystemExit(f"error: {where}/config.json: reward_std must be >= 0, got {std!r}")
     if std == 0:
         # every reference response scored alike: there is no scale to divide by
         common.print0(f"{where}: config.json has reward_std 0; using the raw score")
         return None
-    return (float(mean), float(std))
+    return (mean, std)
+
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def finite_number(value):
+    """value as a float if it is a real number (not a bool: a JSON true is no score) that float32,
+    the dtype scores are kept in, holds finite; else None. A NumPy scalar counts; an int too
+    large for any float (10**400) does not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    if not abs(value) <= FLOAT32_MAX:  # (NaN fails every comparison)
+        return None
+    return value
 
 
 def load_prompts(rows, tok, max_new_tokens, context, source):
@@ -653,24 +674,29 @@ def rule_scores(spec, prompts, responses, flag="--reward_fn"):
     module, _, name = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as e:
+    # a user's module: a SyntaxError in it, an error or a sys.exit() at its import, all one line
+    except (Exception, SystemExit) as e:
         raise SystemExit(
-            f"error: {flag} {spec}: expected module:function importable from here ({e})"
+            f"error: {flag} {spec}: expected module:function importable from the Python path "
+            f"(the repository, PYTHONPATH; not the working directory) ({type(e).__name__}: {e})"
         )
     scores = []
     for prompt, response in zip(prompts, responses):
         try:
             s = fn(prompt, response)
-        except Exception as e:  # a user's function: any failure becomes one clear line
+        # a user's function: any failure becomes one clear line, a sys.exit() in it too (it
+        # ended the run with exit 0, nothing saved)
+        except (Exception, SystemExit) as e:
             raise SystemExit(
                 f"error: {flag} {spec} raised {e!r} on prompt {prompt!r}, response {response!r}"
             )
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
+        value = finite_number(s)
+        if value is None:
             raise SystemExit(
-                f"error: {flag} {spec} returned {s!r} for prompt {prompt!r}; expected a "
-                "finite number"
+                f"error: {flag} {spec} returned {s!r:.200} for prompt {prompt!r}; expected a "
+                "number finite in float32"
             )
-        scores.append(float(s))
+        scores.append(value)
     return torch.tensor(scores)
 
 

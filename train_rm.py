@@ -362,6 +362,12 @@ def main(args):
         init_reward_head(common.value_head(model), args.seed)
     # The export's pad id, for plain transformers' batched scoring; ours reads the mask.
     model.config.pad_token_id = tok.pad_token_id
+    # A reward model trained further carries the statistics of its old scores: dropped, so that
+    # an export before the last step has none (PPO then uses the raw score, as the README says)
+    # rather than another model's.
+    for key in ("reward_mean", "reward_std"):
+        if hasattr(model.config, key):
+            delattr(model.config, key)
     # The model stays in eval mode (from_pretrained's): dropout off while training too, as TRL's
     # RewardTrainer (`disable_dropout=True`). PPO reads the score in eval mode, and the mean and
     # std recorded for its normalisation are taken so; a loss under dropout would fit the scores

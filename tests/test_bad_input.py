@@ -139,7 +139,7 @@ def text(prompt, response):
     "spec,needles",
     [
         ("badreward:boom", ["--reward_fn badreward:boom raised ValueError('no')"]),
-        ("badreward:text", ["--reward_fn badreward:text returned 'x'", "expected a finite number"]),
+        ("badreward:text", ["--reward_fn badreward:text returned 'x'", "finite in float32"]),
         ("nosuchmodule:f", ["--reward_fn nosuchmodule:f: expected module:function"]),
     ],
 )
@@ -152,6 +152,39 @@ def test_ppo_bad_reward_fn(tmp_path, spec, needles):
     args += ("--reward_fn", spec, "--eval_samples", 4, "--max_steps", 1)
     p = run_py("train_ppo.py", *args, env={"PYTHONPATH": str(tmp_path)})
     assert_one_line_error(p, *needles)
+
+
+USER_MODULES = {
+    "leaves.py": "import sys\ndef f(prompt, response):\n    sys.exit(0)\n",
+    "huge.py": "def f(prompt, response):\n    return 10**400\n",
+    "overflows.py": "def f(prompt, response):\n    return 1e39\n",
+    "broken.py": "def f(prompt, response)\n    return 1.0\n",
+    "numpy_scores.py": "import numpy\ndef f(prompt, response):\n    return numpy.float32(0.5)\n",
+}
+
+
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        ("leaves:f", "--reward_fn leaves:f raised SystemExit(0)"),  # ended PPO with exit 0
+        ("huge:f", "returned 1000"),  # float()'s OverflowError, a traceback
+        ("overflows:f", "returned 1e+39 for prompt"),  # inf in float32: blamed on --lr
+        ("broken:f", "expected module:function importable"),  # a SyntaxError's traceback
+    ],
+)
+def test_a_reward_function_that_misbehaves_is_one_line(tmp_path, monkeypatch, spec, needle):
+    """In process: train_ppo.rule_scores on a user's module that exits, returns an int too large
+    for a float or a float too large for float32, or does not parse. A NumPy scalar is a number."""
+    import train_ppo
+
+    for name, text in USER_MODULES.items():
+        (tmp_path / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        train_ppo.rule_scores(spec, ["1+1="], ["2"])
+    line = exit_info.value.code
+    assert line.startswith(f"error: --reward_fn {spec}") and needle in line, line
+    assert train_ppo.rule_scores("numpy_scores:f", ["1+1="], ["2"]).tolist() == [0.5]
 
 
 def test_ppo_batch_sizes(tmp_path):

@@ -134,3 +134,16 @@ def test_ppo_optimises_the_rm_and_logs_the_gold_rule(tmp_path, straight):
     assert 0 <= rows[1]["objective/gold_score"] <= 1
     # the score is the RM's, normalised: not the 0/1 rule's
     assert rows[1]["objective/score"] not in (0.0, 1.0)
+
+
+def test_a_reward_model_trained_further_drops_its_old_statistics(tmp_path, straight):
+    """Started from a reward model's export (its config has reward_mean and reward_std), a run's
+    checkpoints before its last step must carry none: an export of one (by hand) kept the old
+    model's, and PPO normalised the new scores with them."""
+    out = str(tmp_path)
+    args = ("--model", os.path.join(straight, "hf"), "--out_dir", out, "--max_steps", 2)
+    args += ("--train_batch_size", 4, "--micro_batch_size", 4, "--save_every", 1)
+    args += ("--stop_at_step", 1, "--eval_every", 0, "--pairs_per_prompt", 1)
+    run("train_rm.py", *args, nproc=1)
+    config = json.load(open(os.path.join(latest(out), "hf", "config.json")))
+    assert "reward_mean" not in config and "reward_std" not in config
