@@ -572,6 +572,11 @@ def finite_number(value):
 
 def load_prompts(rows, tok, max_new_tokens, context, source):
     """[(prompt token ids, prompt text)]; a prompt with no room for a response is an error."""
+    if max_new_tokens >= context:  # no prompt fits: say so, not that the first prompt is long
+        raise SystemExit(
+            f"error: --max_new_tokens {max_new_tokens}: the model's context holds {context} "
+            "tokens, prompt and response together"
+        )
     items = []
     for i, row in enumerate(rows):
         common.check_fits(tok, row["prompt"], context - max_new_tokens, f"{source}:{i + 1}")

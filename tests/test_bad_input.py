@@ -187,6 +187,19 @@ def test_a_reward_function_that_misbehaves_is_one_line(tmp_path, monkeypatch, sp
     assert train_ppo.rule_scores("numpy_scores:f", ["1+1="], ["2"]).tolist() == [0.5]
 
 
+def test_max_new_tokens_beyond_the_context_names_the_flag():
+    """It blamed the first prompt: "6 characters, more than -36 tokens can hold"."""
+    from transformers import AutoTokenizer
+
+    import task
+    import train_ppo
+
+    task.ensure_tiny_model()
+    tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
+    with pytest.raises(SystemExit, match="--max_new_tokens 100: the model's context holds 64"):
+        train_ppo.load_prompts([{"prompt": "1+1="}], tok, 100, 64, "embedded task")
+
+
 def test_ppo_batch_sizes(tmp_path):
     args = ("--out_dir", tmp_path, "--rollout_batch_size", 10, "--n_samples_per_prompt", 3)
     p = run_py("train_ppo.py", *args, "--train_batch_size", 4)
