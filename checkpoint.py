@@ -1647,6 +1647,11 @@ def cli(argv):
         sys.exit(f"error: an empty argument; {USAGE}")
     for arg in argv:
         objstore.fs_of(arg)  # a store's client is installed, or one line says which to install
+        if os.path.basename(arg) == "latest" and os.path.isfile(arg):  # "Not a directory" else
+            name = _read_latest(os.path.dirname(arg))
+            sys.exit(
+                f"error: {arg} is the file naming a run's newest checkpoint ({name}): give that"
+            )
     match argv:
         case ["verify", *ckpts] if ckpts:
             for ckpt in ckpts:

@@ -487,6 +487,13 @@ def test_small_misuses_are_named(tmp_path):
             common.load_jsonl(path, ["prompt"])
     with pytest.raises(SystemExit, match="an empty argument"):
         checkpoint.cli(["export", str(tmp_path), ""])
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    (root / "latest").write_text("step-00000004")
+    with pytest.raises(
+        SystemExit, match="the file naming a run's newest checkpoint .step-00000004"
+    ):
+        checkpoint.cli(["export", str(root / "latest"), str(tmp_path / "out")])
 
 
 def test_an_earlier_export_of_any_tokenizer_kind_may_be_replaced(tmp_path):
