@@ -628,17 +628,35 @@ def check_args(args, world):
             f"{args.train_batch_size}, that by --micro_batch_size {args.micro_batch_size} x "
             "world size"
         )
-    if args.gold_reward_fn and not args.reward_model:
-        raise SystemExit(
-            f"error: --gold_reward_fn {args.gold_reward_fn} is logged beside --reward_model's "
-            "score: give --reward_model too (without one, --reward_fn is the reward)"
-        )
+    check_reward_flags(args)
     if args.advantage_estimator != "gae" and n < 2:
         raise SystemExit(
             f"error: --advantage_estimator {args.advantage_estimator} compares the samples of a "
             f"prompt: expected --n_samples_per_prompt >= 2, got {n}"
         )
     check_gae_only_flags(args)
+
+
+def check_reward_flags(args):
+    """The reward is --reward_fn's rule or --reward_model's score, never both: a flag of the one
+    not in use is refused in one line, not silently ignored (a --reward_fn beside a
+    --reward_model was never called)."""
+    if args.gold_reward_fn and not args.reward_model:
+        raise SystemExit(
+            f"error: --gold_reward_fn {args.gold_reward_fn} is logged beside --reward_model's "
+            "score: give --reward_model too (without one, --reward_fn is the reward)"
+        )
+    defaults = Args()
+    if args.reward_model and args.reward_fn != defaults.reward_fn:
+        raise SystemExit(
+            f"error: --reward_fn {args.reward_fn} is not used with --reward_model, whose score "
+            "is the reward: to log a rule beside it, give it as --gold_reward_fn"
+        )
+    if not args.reward_model and args.reward_norm != defaults.reward_norm:
+        raise SystemExit(
+            "error: --reward_norm applies to --reward_model's score only; the --reward_fn rule "
+            "is used as it returns"
+        )
 
 
 # Flags of GAE and its critic, which grpo and rloo have none of: set there, they would do nothing.

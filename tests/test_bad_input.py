@@ -187,6 +187,24 @@ def test_a_reward_function_that_misbehaves_is_one_line(tmp_path, monkeypatch, sp
     assert train_ppo.rule_scores("numpy_scores:f", ["1+1="], ["2"]).tolist() == [0.5]
 
 
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (dict(reward_model="rm", reward_fn="mine:f"), "--reward_fn mine:f is not used with"),
+        (dict(reward_norm=False), "--reward_norm applies to --reward_model's score only"),
+        (dict(gold_reward_fn="task:reward_fn"), "give --reward_model too"),
+    ],
+)
+def test_a_reward_flag_of_the_reward_not_in_use_is_refused(flags, needle):
+    """A --reward_fn beside a --reward_model was never called; --reward_norm without one did
+    nothing: both silently ignored before."""
+    import train_ppo
+
+    with pytest.raises(SystemExit, match=needle):
+        train_ppo.check_reward_flags(train_ppo.Args(**flags))
+    train_ppo.check_reward_flags(train_ppo.Args(reward_model="rm", gold_reward_fn="task:f"))
+
+
 def test_max_new_tokens_beyond_the_context_names_the_flag():
     """It blamed the first prompt: "6 characters, more than -36 tokens can hold"."""
     from transformers import AutoTokenizer
