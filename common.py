@@ -736,10 +736,9 @@ def check_chat_template(tok, path, flag):
     try:
         tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
     except Exception as e:
-        detail = (str(e).splitlines() or [""])[0]
         raise SystemExit(
             f"error: {flag} {path}: its chat template fails on a user turn "
-            f"({type(e).__name__}: {detail})"
+            f"({checkpoint.describe(e)})"
         )
 
 
@@ -753,8 +752,7 @@ def check_generation_config(path, model, flag):
         try:
             GenerationConfig.from_pretrained(path)
         except Exception as e:
-            detail = (str(e).splitlines() or [""])[0]
-            raise SystemExit(f"{where}: cannot load ({type(e).__name__}: {detail})")
+            raise SystemExit(f"{where}: cannot load ({checkpoint.describe(e)})")
     generation_config = getattr(model, "generation_config", None)
     if generation_config is None:  # a classifier (transformers gives it none): it generates nothing
         return
