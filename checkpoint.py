@@ -739,6 +739,7 @@ def read_meta(path, step=None):
         "roles": type(roles) is list and bool(roles) and all(type(r) is str for r in roles),
         "args": type(meta.get("args")) is dict,
         "scheduler": "scheduler" not in meta or _schedules_at(meta["scheduler"], saved_step),
+        "frozen": "frozen" not in meta or _is_fingerprints(meta["frozen"]),
     }
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
@@ -774,6 +775,20 @@ def _schedules_at(value, step):
         if type(state.get("_step_count")) is not int or state["_step_count"] != step + 1:
             return False
     return bool(states)
+
+
+def _is_fingerprints(value):
+    """Whether meta.json's "frozen" is {flag: {parameter name: finite number}}, as
+    `common.weights_fingerprint` makes them (compared by `load`)."""
+    if type(value) is not dict:
+        return False
+    for sums in value.values():
+        if type(sums) is not dict:
+            return False
+        for number in sums.values():
+            if type(number) not in (int, float) or not math.isfinite(number):
+                return False
+    return True
 
 
 def _check_rng(state):
@@ -1319,9 +1334,11 @@ def _choose(paths, resume):
     return "", None
 
 
-def load(path, roles, args, must_match):
+def load(path, roles, args, must_match, frozen=None):
     """Collective: every role's model and optimizer in place, then this rank's RNG (so call it
-    after anything that draws from the RNG: engines, iterators); returns meta.json."""
+    after anything that draws from the RNG: engines, iterators); returns meta.json.
+    frozen: {flag: common.weights_fingerprint} of the frozen models this run loaded from the
+    folders those flags name, checked against the run's start (the same on every rank)."""
     meta = read_meta(path)  # resolve() verified the whole checkpoint already
     diff = []
     for k in must_match:
@@ -1331,6 +1348,8 @@ def load(path, roles, args, must_match):
         raise CheckpointError(
             f"{path} was saved by a different run; differing settings: {', '.join(diff)}"
         )
+    for flag, sums in (frozen or {}).items():
+        _same_frozen_weights(path, meta.get("frozen", {}).get(flag), sums, f"--{flag}", args)
     if meta["step"] > args["max_steps"]:  # the loop would not run, and nothing be exported
         raise CheckpointError(
             f"{path} is at step {meta['step']}, past --max_steps {args['max_steps']}: nothing to "
@@ -1361,6 +1380,25 @@ def load(path, roles, args, must_match):
             flush=True,
         )
     return meta
+
+
+def _same_frozen_weights(path, saved, now, flag, args):
+    """Raises unless the frozen model loaded from `flag`'s folder is the one the run at `path`
+    started with: the same parameters, each's sum of squares within float64 rounding (a
+    different sharding sums in another order). saved None: a checkpoint from before these were
+    recorded, or a run that did not load that model (a --kl_coef 0 run has no reference)."""
+    if saved is None:
+        return
+    changed = sorted(set(saved) ^ set(now))
+    for name in now:
+        if name in saved and not math.isclose(saved[name], now[name], rel_tol=1e-9):
+            changed.append(name)
+    if changed:
+        raise CheckpointError(
+            f"{flag} {args[flag[2:]]}: its weights are not those the run at {path} started with "
+            f"({len(changed)} tensors differ, e.g. {changed[0]}): the run would go on against "
+            "another frozen model; give the folder as it was, or start a new run from it"
+        )
 
 
 def _hyperparameters(optim):

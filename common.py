@@ -225,6 +225,29 @@ def global_max(value, device):
     return tensor.item()
 
 
+def weights_fingerprint(model, device):
+    """Collective: {parameter name: the sum of its squares, in float64} of a (sharded) model.
+
+    The frozen models (PPO's reference and reward model, DPO's reference) are loaded from their
+    folders again when a run resumes; checkpoints hold only what trains. meta.json keeps this
+    fingerprint of each, so a resume notices a folder whose weights changed since the run began
+    (re-exported into the same path): the path alone says nothing, and the run would go on with
+    another reference or reward (`checkpoint.load`). Not a hash: one pass over weights already in
+    memory, no file read, and any training step or another export moves it. A sum's rounding
+    depends on the sharding and the kernel, so compare with a relative tolerance, not bitwise."""
+    names = []
+    local = []
+    for name, param in model.named_parameters():
+        shard = param.detach()
+        if isinstance(shard, DTensor):
+            shard = shard.to_local()  # this rank's rows (any padding is zeros: adds nothing)
+        names.append(name)
+        local.append(torch.linalg.vector_norm(shard, dtype=torch.float64).square().to(device))
+    sums = torch.stack(local)
+    dist.all_reduce(sums)  # every rank holds a shard of each parameter
+    return dict(zip(names, sums.tolist()))
+
+
 # ---- the metrics log -----------------------------------------------------------------------------
 class MetricsLog:
     """<out_dir>/metrics.jsonl, one {"step": ..., "<group>/<name>": ...} per line (rank 0 writes);

@@ -353,13 +353,15 @@ def main(args):
     )
     sched = get_cosine_schedule_with_warmup(optim, args.warmup_steps, args.max_steps)
     roles = {"model": (model, optim)}  # the reference is the export itself: never saved
+    # so a resume checks that --model's folder still holds it (`checkpoint.load`)
+    frozen = {"model": common.weights_fingerprint(reference, device)}
 
     start = 0
     final = checkpoint.resolve(args.out_dir, args.resume)
     if final:  # the RNG is restored last, inside load: nothing may draw from it before step 1
         must_match = ["model", "data", "seed", "train_batch_size", "micro_batch_size"]
         must_match += ["beta", "label_smoothing", "loss_type"]
-        meta = checkpoint.load(final, roles, vars(args), must_match)
+        meta = checkpoint.load(final, roles, vars(args), must_match, frozen)
         checkpoint.restore_scheduler(sched, meta.get("scheduler"), f"{final}/meta.json")
         start = meta["step"]
         common.print0(f"resumed from {final} at step {start}")
@@ -396,6 +398,7 @@ def main(args):
             "scheduler": sched.state_dict(),
             "epoch": epoch,
             "consumed_samples": step * args.train_batch_size,
+            "frozen": frozen,
         }
         hf_objs = (model.config, tok, export_generation_config)
         saved, stop = common.end_of_step(args, step, device, roles, meta, hf_objs)

@@ -109,7 +109,8 @@ class Args:
     missing_eos_penalty: float = 1.0
     """subtracted from the score of a response cut at max_new_tokens without EOS [N policy #5]"""
     whiten_rewards: bool = False
-    """whiten the per-token rewards (scale only) before GAE [N policy #9]"""
+    """whiten the per-token rewards before GAE, their mean kept: (r - mean) / std + mean, as
+    TRL's `whiten(shift_mean=False)` [N policy #9]"""
     reward_fn: str = "task:reward_fn"
     """module:function(prompt, response) -> float, the rule reward (used unless --reward_model)"""
     reward_model: str = ""
@@ -280,7 +281,9 @@ def compute_gae(rewards, values, mask, gamma, lam):
 
 def group_advantages(scores, kind):
     """Critic-free baselines over each prompt's n samples, scores [G, n] -> advantages [G, n].
-    grpo: (s - mean) / std of the group (Shao et al. 2024, eq. 3, outcome supervision);
+    grpo: (s - mean) / (std + 1e-4) of the group (Shao et al. 2024, eq. 3, outcome supervision);
+    the std unbiased (n - 1), as TRL's (OpenRLHF adds 1e-9): at n = 2, scores {1, 0} give
+    +-0.707, not the +-1 a biased std gives;
     rloo: s - mean of the other n-1 samples (Ahmadian et al. 2024, eq. 6)."""
     n = scores.shape[1]
     if kind == "grpo":
@@ -324,9 +327,12 @@ def value_loss(values, old_values, returns, mask, cliprange_value, n_tokens):
 
 def normalised_scores(scores, mean, std):
     """(score - mean) / std, with the reward model's mean and std over reference responses
-    (recorded by train_rm.py): Ziegler et al. 2019 normalise the reward model so that such
-    responses score mean 0 and variance 1 [N RM #3]. A --kl_coef then weighs the KL against a
-    score of unit scale, whatever the reward model's own scale. scores [B]."""
+    (recorded by train_rm.py: the chosen responses of training pairs, as summarize-from-feedback
+    uses its dataset's reference summaries; Ziegler et al. 2019 use samples of the initial policy)
+    so that such responses score mean 0 and variance 1 [N RM #3]. A --kl_coef then weighs the KL
+    against a score of unit scale, whatever the reward model's own scale. Under GAE the offset
+    from the policy's own samples lands on the last token, where the critic absorbs it; grpo and
+    rloo subtract a group baseline, which cancels it. scores [B]."""
     return (scores - mean) / std
 
 
@@ -518,6 +524,18 @@ def load_reward_model(args, models):
     )
     if args.reward_norm:
         models.reward_norm = reward_normalisation(reward_model.config, args.reward_model)
+
+
+def frozen_fingerprints(models, device):
+    """Collective: {flag: common.weights_fingerprint} of the frozen models, kept in meta.json: a
+    resume loads them from those flags' folders again, and `checkpoint.load` checks they are the
+    ones the run began with."""
+    frozen = {}
+    if models.ref is not None:
+        frozen["model"] = common.weights_fingerprint(models.ref, device)
+    if models.reward_model is not None:
+        frozen["reward_model"] = common.weights_fingerprint(models.reward_model, device)
+    return frozen
 
 
 def adamw(model, lr):
@@ -899,7 +917,9 @@ def compute_advantages(args, exp, scores, order, kl_coef):
         advantages, exp.returns = compute_gae(rewards, exp.old_values, mask, args.gamma, args.lam)
         exp.advantages = masked_whiten(advantages, mask)  # [N policy #9]
         return
-    # rloo folds the KL into the sequence reward (Ahmadian et al.); grpo keeps it a loss term
+    # rloo folds the KL into the sequence reward (Ahmadian et al.; TRL's RLOO), then takes the
+    # baseline (OpenRLHF baselines the score alone and adds the per-token KL after); grpo keeps it
+    # a loss term
     # (`ppo_loss`), as dividing by a group's std would blow up the KL's noise.
     sequence_rewards = scores
     if args.advantage_estimator == "rloo":
@@ -1136,6 +1156,7 @@ def main(args):
     metrics_log = common.MetricsLog(common.local_dir(args), args.tensorboard, args.out_dir)
 
     models, tok, roles = build_models(args, device)
+    frozen = frozen_fingerprints(models, device)
     scheds = {}
     for name, (_, optim) in roles.items():
         scheds[name] = get_linear_schedule_with_warmup(optim, args.warmup_steps, args.max_steps)
@@ -1160,7 +1181,7 @@ def main(args):
     kl_coef = args.kl_coef  # beta; the adaptive controller moves it [N policy #11]
     final = checkpoint.resolve(args.out_dir, args.resume)
     if final:  # the RNG is restored last, inside load
-        meta = checkpoint.load(final, roles, vars(args), MUST_MATCH)
+        meta = checkpoint.load(final, roles, vars(args), MUST_MATCH, frozen)
         kl_coef = restore_schedules(meta, scheds, f"{final}/meta.json", args)
         start = meta["step"]
         rollout.sync_weights(engine, models.actor)  # the engine started from --model: resume it
@@ -1258,6 +1279,7 @@ def main(args):
             "kl_coef": kl_coef,
             "epoch": epoch,
             "consumed_prompts": step * args.rollout_batch_size,
+            "frozen": frozen,
         }
         hf_objs = (models.actor.config, tok, export_generation_config)
         saved, stop = common.end_of_step(args, step, device, roles, meta, hf_objs)

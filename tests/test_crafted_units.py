@@ -85,6 +85,9 @@ def test_a_malformed_manifest_is_one_line(tmp_path, manifest):
         ("scheduler", {"last_epoch": 10**30, "_step_count": 2}),
         ("scheduler", {"actor": {"last_epoch": 1, "_step_count": 2}, "critic": {}}),
         ("scheduler", "cosine"),  # stopped the resume, where an older checkpoint would do
+        ("frozen", {"model": {"lm_head.weight": "1.0"}}),  # the frozen models' fingerprints
+        ("frozen", {"model": [1.0]}),
+        ("frozen", ["model"]),
     ],
 )
 def test_a_crafted_meta_json_is_a_damaged_checkpoint(tmp_path, field, value):

@@ -10,6 +10,8 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from safetensors.torch import save_file
+from test_bad_input import assert_one_line_error
 
 from conftest import assert_same_tensors
 from conftest import latest
@@ -115,3 +117,24 @@ def test_dpo_export_loads_in_plain_transformers_and_vllm(straight, memorised_sft
     # and vLLM (the engine PPO would start from it with) decodes the same greedy tokens
     p = run_py("tests/roundtrip_check.py", hf)
     assert p.returncode == 0 and "ROUNDTRIP_OK" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+
+
+def test_resume_checks_the_reference_is_the_one_the_run_began_with(tmp_path, memorised_sft):
+    """The reference is loaded from --model's folder again at every resume (checkpoints hold
+    what trains). Resumed on another world size (1 rank after 2: a different sharding sums the
+    fingerprint in another order) it goes on; with the folder's weights changed since (an export
+    into the same path), one line, not a run that goes on against another reference."""
+    model, eval_data, pairs = memorised_sft
+    folder = tmp_path / "start"
+    shutil.copytree(model, folder)
+    start = (str(folder), eval_data, pairs)
+    out = str(tmp_path / "run")
+    run("train_dpo.py", *dpo(out, start, "--stop_at_step", 1))
+    p = run_py("train_dpo.py", *dpo(out, start, "--stop_at_step", 2, "--resume", "latest"))
+    assert p.returncode == 0 and "at step 1" in p.stdout + p.stderr, p.stderr[-2000:]
+    weights = load_file(folder / "model.safetensors")
+    name = sorted(weights)[0]
+    weights[name] = weights[name] * 1.001  # one tensor, moved a little
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    p = run_py("train_dpo.py", *dpo(out, start, "--resume", "latest"))
+    assert_one_line_error(p, f"--model {folder}: its weights are not those", name)

@@ -11,6 +11,8 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
+from safetensors.torch import save_file
+from test_bad_input import assert_one_line_error
 
 import task
 from conftest import PY
@@ -120,6 +122,32 @@ def test_grpo_with_reward_model_and_hf_engine(tmp_path, sft_model):
     assert rows[2]["objective/kl_coef"] != rows[1]["objective/kl_coef"]
     meta = json.load(open(os.path.join(latest(out), "meta.json")))
     assert meta["roles"] == ["actor"]  # no critic
+
+
+def test_resume_checks_the_reward_model_is_the_one_the_run_began_with(tmp_path, sft_model):
+    """The frozen models come from their folders again at a resume: a --reward_model folder whose
+    weights changed since the run began is one line naming it, not a run that goes on against
+    another reward (the reference, from --model, unchanged, passes the same check)."""
+    from transformers import AutoConfig
+    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoTokenizer
+
+    cfg = AutoConfig.from_pretrained(task.TINY_MODEL, num_labels=1)
+    torch.manual_seed(0)
+    rm_dir = tmp_path / "rm"
+    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(rm_dir)
+    AutoTokenizer.from_pretrained(task.TINY_MODEL).save_pretrained(rm_dir)
+    out = str(tmp_path / "run")
+    flags = ("--advantage_estimator", "grpo", "--reward_model", rm_dir, "--rollout_engine", "hf")
+    flags += ("--max_steps", 2, "--eval_every", 0, "--eval_samples", 0)
+    p = run_py("train_ppo.py", *ppo(out, sft_model, *flags, "--stop_at_step", 1))
+    assert p.returncode == 0, p.stderr[-2000:]
+    weights = load_file(rm_dir / "model.safetensors")
+    name = sorted(weights)[-1]
+    weights[name] = weights[name] + 1e-3
+    save_file(weights, rm_dir / "model.safetensors", metadata={"format": "pt"})
+    p = run_py("train_ppo.py", *ppo(out, sft_model, *flags, "--resume", "latest"))
+    assert_one_line_error(p, f"--reward_model {rm_dir}: its weights are not those", name)
 
 
 # (A plain "gae" case, 2 epochs without a reference, took ~36 s and checked nothing these two do
