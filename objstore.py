@@ -88,12 +88,26 @@ def fs_of(url):
 
 @_translated
 def listing(url):
-    """{path relative to url: size} of every object under the prefix url/ (fresh, not cached)."""
+    """{path relative to url: size} of every object under the prefix url/ (fresh, not cached),
+    less folder markers: the empty objects named `folder/` that S3 consoles ("Create folder") and
+    some sync tools make, which hold nothing (a checkpoint with one verified as damaged)."""
+    objects = _objects(url)
+    return {rel: size for rel, size in objects.items() if not _is_folder_marker(rel, size)}
+
+
+def _objects(url):
+    """listing() with the folder markers: what deleting the prefix must delete."""
     fs, path = fs_of(url)
     fs.invalidate_cache()  # s3fs caches listings; other ranks and runs write here
     found = fs.find(path.rstrip("/") + "/", detail=True)
     start = len(path.rstrip("/")) + 1
     return {name[start:]: info["size"] for name, info in found.items() if info["type"] == "file"}
+
+
+def _is_folder_marker(rel, size):
+    """An empty object whose name ends in /: a folder as S3 consoles make one (s3fs lists it as a
+    file named `folder/`)."""
+    return rel.endswith("/") and size == 0
 
 
 @_translated
@@ -139,12 +153,16 @@ def remove_prefix(url):
     """Delete every object under url/: its manifest first (then the step is uncommitted, not
     damaged, whatever a kill leaves), then the rest."""
     fs, path = fs_of(url)
-    names = listing(url)
+    names = _objects(url)  # folder markers too: else the emptied prefix would stay listed
     if "manifest.json" in names:
         fs.rm_file(os.path.join(path, "manifest.json"))
-    rest = [os.path.join(path, n) for n in names if n != "manifest.json"]
+    rest = [n for n in names if n != "manifest.json" and not _is_folder_marker(n, names[n])]
     if rest:
-        fs.rm(rest)
+        fs.rm([os.path.join(path, n) for n in rest])
+    for name in names:
+        if _is_folder_marker(name, names[name]):
+            # one by one: s3fs's rm of a list drops the trailing / and misses the marker
+            fs.rm_file(os.path.join(path, name))
 
 
 @_translated

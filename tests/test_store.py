@@ -364,6 +364,27 @@ def test_a_failed_save_never_removes_a_committed_prefix(store, tmp_path, one_ran
     assert not fs.exists(f"{BUCKET}/crafted/committed/a.bin")
 
 
+def test_folder_markers_are_no_part_of_a_checkpoint(store, tmp_path, one_rank):
+    """An S3 console's "Create folder" (and some sync tools) writes an empty object named
+    `folder/`; s3fs lists it as a file. Inside a committed step it failed verification as "not a
+    plain name" (`--resume latest` then fell back a checkpoint); it holds nothing, so it is no
+    part of one, and deleting the step deletes it too (or the prefix stayed listed)."""
+    import boto3
+
+    import checkpoint
+    import objstore
+
+    fs, _ = store
+    url = small_on_store(fs, tmp_path, "marked")
+    client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL_S3"])
+    for key in ("crafted/marked/sub/", "crafted/marked/empty/"):
+        client.put_object(Bucket=BUCKET, Key=key, Body=b"")
+    assert checkpoint.verify(url)["step"] == 1
+    objstore.remove_prefix(url)
+    fs.invalidate_cache()
+    assert not fs.find(f"{BUCKET}/crafted/marked/")
+
+
 def test_keep_last_prunes_committed_checkpoints_on_the_store(store, tmp_path, one_rank):
     """--keep_last on a store deletes the committed steps older than the newest kept (manifest
     first); steps newer than the one just saved (an abandoned branch) stay. A failed save's
