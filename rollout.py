@@ -65,12 +65,13 @@ def build_engine(
     ends at (`common.stop_token_ids`). attn_implementation: the HF engine's, as the trainer's
     (`common.attention_implementation`). Build it before restoring a checkpoint's RNG: vLLM seeds
     the global generators while it starts."""
+    flag = f"--rollout_engine {kind}"  # what the user asked for, in the lines that refuse
     if kind == "auto":
         kind = _auto_engine(model_path)
     if kind == "vllm":
-        check_reloadable(model_path)
+        check_reloadable(model_path, flag)
         return VLLMEngine(
-            model_path, max_model_len, seed, stop_ids, gpu_memory_utilization, enforce_eager
+            model_path, max_model_len, seed, stop_ids, gpu_memory_utilization, enforce_eager, flag
         )
     return HFEngine(model_path, max_model_len, seed, stop_ids, attn_implementation)
 
@@ -90,12 +91,12 @@ def _model_type(model_path):
     return AutoConfig.from_pretrained(model_path, trust_remote_code=False).model_type
 
 
-def check_reloadable(model_path):
+def check_reloadable(model_path, flag="--rollout_engine vllm"):
     """Refuse the vLLM engine, in one line, for a family whose weights it cannot take anew."""
     family = _model_type(model_path)
     if family in NOT_RELOADABLE:
         raise SystemExit(
-            f"error: --rollout_engine vllm: {family} models cannot take new weights in vLLM "
+            f"error: {flag}: {family} models cannot take new weights in vLLM "
             f"0.32 ({NOT_RELOADABLE[family]}); use --rollout_engine hf"
         )
 
@@ -117,9 +118,18 @@ def _auto_engine(model_path):
 
 class VLLMEngine:
     def __init__(
-        self, model_path, max_model_len, seed, stop_ids, gpu_memory_utilization, enforce_eager
+        self,
+        model_path,
+        max_model_len,
+        seed,
+        stop_ids,
+        gpu_memory_utilization,
+        enforce_eager,
+        flag="--rollout_engine vllm",
     ):
         self.stop_ids = list(stop_ids)
+        self.model_path = model_path
+        self.flag = flag
         self.gpu = torch.cuda.is_available()
         # plain `python` has no torchrun variables; vLLM's external launcher reads them
         os.environ.setdefault("RANK", str(dist.get_rank()))
@@ -142,22 +152,9 @@ class VLLMEngine:
             generation_config="vllm",
             use_tqdm_on_load=False,  # a local folder loads in moments: no bar per rank and load
         )
-        if self.gpu:
-            kwargs["dtype"] = "bfloat16"
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-            kwargs["enforce_eager"] = enforce_eager
-            kwargs["enable_sleep_mode"] = True
-        else:
-            # CPU: fp32 so logprobs match the fp32 actor (~1e-5; bf16 differs by up to 0.15); a
-            # fixed KV cache (by default vLLM-CPU takes a share of RAM); eager, as CUDA graphs do
-            # not exist. Threads: torchrun sets OMP_NUM_THREADS=1 per rank, which the in-process
-            # engine inherits, so 2 ranks on 2 cores do not fight. Set thread counts before this:
-            # vLLM then freezes them.
-            kwargs["dtype"] = "float32"
-            kwargs["enforce_eager"] = True
-            kwargs["kv_cache_memory_bytes"] = 256 << 20
+        kwargs.update(_device_settings(self.gpu, gpu_memory_utilization, enforce_eager))
         before = _model_classes()
-        self.llm = _start_llm(kwargs)
+        self.llm = _start_llm(kwargs, flag)
         _keep_decoration_to_the_engine(self.llm, before)
         self.asleep = False
         self.folder_names = True  # tensors as the model folder names them (`sync_weights`)
@@ -182,7 +179,13 @@ class VLLMEngine:
                 )
             )
         prompts = [{"prompt_token_ids": p} for p in prompt_token_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        try:
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        except Exception as e:  # noqa: BLE001 - vLLM's own, from its kernels: one line
+            # a family vLLM builds but cannot run here (vLLM-CPU: Qwen3-Next's GatedDeltaNet
+            # wants bf16, DeepSeek-V3's MLA kernel a block size it does not take), a ~300-line
+            # traceback per rank until now
+            raise SystemExit(_engine_failed(self.flag, "generate with", self.model_path, e))
         gen = Generation([], [], [])
         for output in outputs:
             for sample in sorted(output.outputs, key=lambda c: c.index):
@@ -219,19 +222,42 @@ class VLLMEngine:
         self.llm.llm_engine.engine_core.shutdown()
 
 
-def _start_llm(kwargs):
+def _device_settings(gpu, gpu_memory_utilization, enforce_eager):
+    """The engine's settings that depend on the device."""
+    if gpu:
+        return dict(
+            dtype="bfloat16",
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            enable_sleep_mode=True,
+        )
+    # CPU: fp32 so logprobs match the fp32 actor (~1e-5; bf16 differs by up to 0.15); a fixed KV
+    # cache (by default vLLM-CPU takes a share of RAM); eager, as CUDA graphs do not exist.
+    # Threads: torchrun sets OMP_NUM_THREADS=1 per rank, which the in-process engine inherits, so
+    # 2 ranks on 2 cores do not fight. Set thread counts before building the engine: vLLM then
+    # freezes them.
+    return dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=256 << 20)
+
+
+def _start_llm(kwargs, flag):
     """vllm.LLM(**kwargs); where vLLM has no code for the family or its loader fails on it (DBRX
     in vllm 0.32: a KeyError), one line and the way around it, not vLLM's ~200-line traceback."""
     from vllm import LLM
 
     try:
         return LLM(**kwargs)
-    except Exception as e:
-        detail = (str(e).splitlines() or [""])[0]
-        raise SystemExit(
-            f"error: --rollout_engine vllm: vLLM could not build an engine for {kwargs['model']} "
-            f"({type(e).__name__}: {detail}); --rollout_engine hf generates with transformers"
-        )
+    except Exception as e:  # noqa: BLE001 - whatever vLLM raises: one line
+        raise SystemExit(_engine_failed(flag, "build an engine for", kwargs["model"], e))
+
+
+def _engine_failed(flag, what, model_path, e):
+    """The line for a vLLM failure on a model: what failed, vLLM's own first line, the way
+    around it."""
+    detail = (str(e).splitlines() or [""])[0]
+    return (
+        f"error: {flag}: vLLM could not {what} {model_path} ({type(e).__name__}: {detail}); "
+        "--rollout_engine hf generates with transformers"
+    )
 
 
 def _model_has_lm_head(worker):
@@ -363,9 +389,12 @@ class HFEngine:
         self.model.generation_config = GenerationConfig(
             eos_token_id=self.stop_ids, pad_token_id=self.stop_ids[0]
         )
-        # remove_duplicate=False: a tied head (Qwen2, GPT-2) is listed as lm_head.weight too, the
-        # name the trainer's state_dict sends it under.
+        # What `sync_weights` sends: the actor's state_dict, persistent buffers included (a
+        # router's correction bias in DeepSeek-V3, xIELU's beta in Apertus: the first sync failed
+        # on them with a KeyError). remove_duplicate=False: a tied head (Qwen2, GPT-2) is listed
+        # as lm_head.weight too, the name the trainer's state_dict sends it under.
         self.params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.params.update(self.model.named_buffers(remove_duplicate=False))
         self.folder_names = False  # the same class as the actor: its names (`sync_weights`)
 
     @torch.no_grad()

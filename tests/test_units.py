@@ -554,3 +554,53 @@ def test_a_frozen_model_reshards_its_root_after_a_forward():
     finally:
         if ours_group:
             dist.destroy_process_group()
+
+
+def test_the_hf_engine_takes_persistent_buffers_at_a_weight_sync(tmp_path):
+    """`rollout.sync_weights` streams the actor's state_dict, persistent buffers included: Apertus
+    keeps its xIELU activation's beta as one (DeepSeek-V3 its router's correction bias). The HF
+    engine looked every name up among its parameters only, and PPO's first sync failed with a
+    KeyError. A changed parameter and buffer both reach the engine."""
+    import torch.distributed as dist
+    from test_families import SMALL
+    from test_families import plain_tokenizer
+    from transformers import ApertusConfig
+    from transformers import ApertusForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    path = str(tmp_path / "apertus")
+    plain_tokenizer(path)
+    torch.manual_seed(0)
+    ApertusForCausalLM(ApertusConfig(**SMALL)).save_pretrained(path)
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        actor = common.shard_model(AutoModelForCausalLM.from_pretrained(path), torch.device("cpu"))
+        buffers = [n for n, _ in actor.named_buffers() if n in actor.state_dict()]
+        assert buffers, "no persistent buffer: the case is not tested"
+        engine = rollout.build_engine("hf", path, 64, 0, [2])
+        with torch.no_grad():
+            actor.get_buffer(buffers[0]).add_(0.5)
+            actor.get_parameter("model.norm.weight").add_(0.25)
+        rollout.sync_weights(engine, actor)
+        assert torch.equal(engine.model.get_buffer(buffers[0]), actor.get_buffer(buffers[0]))
+        assert torch.equal(
+            engine.model.get_parameter("model.norm.weight"),
+            actor.get_parameter("model.norm.weight").full_tensor(),
+        )
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "flag,device,threshold",
+    [(0.0, "cpu", 1e-3), (0.0, "cuda", 0.05), (0.2, "cpu", 0.2), (1e-4, "cuda", 1e-4)],
+)
+def test_the_logprob_gap_warns_above_what_a_right_engine_reaches(flag, device, threshold):
+    """fp32 on CPU: a right engine agrees with the actor to ~1e-7, and LFM2's broken vLLM-CPU
+    rotary (a mean gap of 0.048) passed under the 0.05 that bf16 on a GPU needs."""
+    import train_ppo
+
+    assert train_ppo.logprob_diff_threshold(flag, torch.device(device)) == threshold
