@@ -16,7 +16,10 @@ purpose: one kernel rounds differently from the loop of element-wise ops it repl
 stages' numbers moved; README: the demo), and again the same day when PPO's logprobs began to
 ask for the LM head at the response's columns only (the head's weight gradient, a sum over fewer
 positions, rounds differently: PPO's numbers moved), and again when SFT's loss began to ask for
-it from a micro-batch's shortest prompt on (both stages moved). Float results can differ on
+it from a micro-batch's shortest prompt on (both stages moved), and on 2026-11-25 on another
+AMD EPYC machine (its kernels round differently; the code's numerics unchanged: its SFT is step
+for step that of the previous recording's code there), with `train/lr` as the rate each step
+trained at (the earlier file had the rate after the step). Float results can differ on
 another CPU (other SIMD kernels), so record your own reference before a change rather than
 comparing with ours.
 """
