@@ -786,7 +786,9 @@ def _is_fingerprints(value):
         if type(sums) is not dict:
             return False
         for number in sums.values():
-            if type(number) not in (int, float) or not math.isfinite(number):
+            # floats only: JSON reads 1e400 written as digits as an int, which isfinite cannot
+            # take (an OverflowError, not a damaged checkpoint)
+            if type(number) is not float or not math.isfinite(number):
                 return False
     return True
 

@@ -234,7 +234,11 @@ def weights_fingerprint(model, device):
     (re-exported into the same path): the path alone says nothing, and the run would go on with
     another reference or reward (`checkpoint.load`). Not a hash: one pass over weights already in
     memory, no file read, and any training step or another export moves it. A sum's rounding
-    depends on the sharding and the kernel, so compare with a relative tolerance, not bitwise."""
+    depends on the sharding and the kernel, so compare with a relative tolerance, not bitwise.
+    Call it before the model's first forward: with reshard_after_forward=False a block stays
+    gathered after one (every rank would then add the whole parameter). A sum that is not finite
+    (a NaN or inf weight) is kept as -1, which no sum of squares is: meta.json holds finite
+    numbers only."""
     names = []
     local = []
     for name, param in model.named_parameters():
@@ -244,7 +248,8 @@ def weights_fingerprint(model, device):
         names.append(name)
         local.append(torch.linalg.vector_norm(shard, dtype=torch.float64).square().to(device))
     sums = torch.stack(local)
-    dist.all_reduce(sums)  # every rank holds a shard of each parameter
+    dist.all_reduce(sums)  # each rank holds its shard of each parameter (perhaps an empty one)
+    sums = torch.where(sums.isfinite(), sums, -1.0)
     return dict(zip(names, sums.tolist()))
 
 

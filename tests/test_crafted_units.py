@@ -88,6 +88,7 @@ def test_a_malformed_manifest_is_one_line(tmp_path, manifest):
         ("frozen", {"model": {"lm_head.weight": "1.0"}}),  # the frozen models' fingerprints
         ("frozen", {"model": [1.0]}),
         ("frozen", ["model"]),
+        ("frozen", {"model": {"lm_head.weight": 10**400}}),  # an int isfinite cannot take
     ],
 )
 def test_a_crafted_meta_json_is_a_damaged_checkpoint(tmp_path, field, value):

@@ -604,3 +604,30 @@ def test_the_logprob_gap_warns_above_what_a_right_engine_reaches(flag, device, t
     import train_ppo
 
     assert train_ppo.logprob_diff_threshold(flag, torch.device(device)) == threshold
+
+
+def test_the_weights_fingerprint_sees_a_change_and_stays_json():
+    """`common.weights_fingerprint`, kept in meta.json for a resume to compare: one float per
+    parameter, moved by a change to one tensor, and a NaN weight's sum kept as -1 (JSON would
+    write NaN, which `read_meta` refuses: every later checkpoint would be unreadable)."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    task.ensure_tiny_model()
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(task.TINY_MODEL).requires_grad_(False)
+        common.shard_model(model, torch.device("cpu"))
+        before = common.weights_fingerprint(model, torch.device("cpu"))
+        assert before.keys() == dict(model.named_parameters()).keys()
+        assert all(type(v) is float and v >= 0 for v in before.values())
+        with torch.no_grad():
+            model.get_parameter("model.norm.weight").to_local()[0] = float("nan")
+        after = common.weights_fingerprint(model, torch.device("cpu"))
+        assert [k for k in before if before[k] != after[k]] == ["model.norm.weight"]
+        assert after["model.norm.weight"] == -1.0 and checkpoint._is_fingerprints({"m": after})
+    finally:
+        if owned:
+            dist.destroy_process_group()
