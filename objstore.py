@@ -106,8 +106,13 @@ def _objects(url):
 
 def _is_folder_marker(rel, size):
     """An empty object whose name ends in /: a folder as S3 consoles make one (s3fs lists it as a
-    file named `folder/`)."""
-    return rel.endswith("/") and size == 0
+    file named `folder/`; the prefix's own marker, `step-N/`, as the empty name)."""
+    return _folder_named(rel) and size == 0
+
+
+def _folder_named(rel):
+    """A name only a folder marker has: empty (the prefix's own) or ending in /."""
+    return rel == "" or rel.endswith("/")
 
 
 @_translated
@@ -156,12 +161,12 @@ def remove_prefix(url):
     names = _objects(url)  # folder markers too: else the emptied prefix would stay listed
     if "manifest.json" in names:
         fs.rm_file(os.path.join(path, "manifest.json"))
-    rest = [n for n in names if n != "manifest.json" and not _is_folder_marker(n, names[n])]
+    rest = [n for n in names if n != "manifest.json" and not _folder_named(n)]
     if rest:
         fs.rm([os.path.join(path, n) for n in rest])
     for name in names:
-        if _is_folder_marker(name, names[name]):
-            # one by one: s3fs's rm of a list drops the trailing / and misses the marker
+        if _folder_named(name):
+            # one by one: s3fs's rm of a list drops the trailing / and misses such a name
             fs.rm_file(os.path.join(path, name))
 
 

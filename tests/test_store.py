@@ -377,9 +377,13 @@ def test_folder_markers_are_no_part_of_a_checkpoint(store, tmp_path, one_rank):
     fs, _ = store
     url = small_on_store(fs, tmp_path, "marked")
     client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL_S3"])
-    for key in ("crafted/marked/sub/", "crafted/marked/empty/"):
+    # the step's own marker too (a sync tool writes one for every folder: s3fs lists it as "")
+    for key in ("crafted/marked/", "crafted/marked/sub/", "crafted/marked/empty/"):
         client.put_object(Bucket=BUCKET, Key=key, Body=b"")
     assert checkpoint.verify(url)["step"] == 1
+    client.put_object(Bucket=BUCKET, Key="crafted/marked/odd/", Body=b"xy")  # not a marker
+    with pytest.raises(checkpoint.CheckpointError, match="odd/: not a plain name"):
+        checkpoint.verify(url)
     objstore.remove_prefix(url)
     fs.invalidate_cache()
     assert not fs.find(f"{BUCKET}/crafted/marked/")
