@@ -53,15 +53,75 @@ import task
 
 
 # ---- arguments -----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class RunArgs:
+    """The flags every stage has, alike in each: resuming and saving, FSDP2 and attention
+    settings, logging and the console. A stage's `Args` subclasses this class and declares its own
+    flags (the model, the data, the schedule, the algorithm's); --help lists those first."""
+
+    resume: str = ""
+    """'latest' (newest checkpoint in out_dir that verifies; none yet: start fresh; none
+    verifies: stop, changing nothing) or a checkpoint path; empty: start fresh"""
+    keep_last: int = 2
+    """keep this many checkpoints; older ones are pruned after a new one is committed"""
+    save_every_minutes: float = 0.0
+    """also save when this many minutes of wall time have passed since the last save (0: off)"""
+    async_save: bool = False
+    """write checkpoints in a background thread while training goes on (published once complete)"""
+    on_save_error: typing.Literal["stop", "warn"] = "stop"
+    """a failed save (disk full, I/O error) stops the run, or warns and trains on; the last good
+    one stays latest"""
+    local_dir: str = ""
+    """with an object-store --out_dir (s3://...): the local folder for metrics.jsonl, samples.jsonl
+    and tensorboard/, copied into the store at every checkpoint and at the end ('': runs/store/
+    followed by the URL's bucket and path); a local --out_dir holds them itself"""
+    gradient_checkpointing: bool = False
+    """activation checkpointing on every transformer block of each model that trains (PPO: the
+    actor and the critic): less memory, about a third more compute"""
+    reshard_after_forward: bool = True
+    """FSDP2: free each block's gathered parameters after its forward (true: one shard per rank
+    between uses) or keep them until its backward (false: no second all-gather in the backward,
+    and none after a no-grad forward; the memory of unsharded parameters). Where collectives are
+    slow (gloo on CPU) false is faster; the results are the same"""
+    attn_implementation: str = "auto"
+    """transformers attention: eager, sdpa, ... or auto (eager where the family needs it: Gemma 2's
+    soft-capping, which SDPA drops; else transformers' default)"""
+    timeout_minutes: float = 30.0
+    """a collective waiting longer than this (a peer dead or stuck) fails with an error, not a
+    hang"""
+    tensorboard: bool = False
+    """also write TensorBoard event files to <out_dir>/tensorboard/ (needs `pip install
+    tensorboard`)"""
+    verbose: bool = False
+    """also print what transformers, torch and (PPO) vLLM log below errors, their warnings and
+    their loading bars (off: the run's own lines, its progress bar and errors only)"""
+    stop_at_step: int = 0
+    """save and exit after this step (PPO: iteration), as a preempted run would (for testing
+    resume); 0: never"""
+
+
+# What RunArgs' numbers may be (`check_limits`); a stage's LIMITS adds its own flags'.
+RUN_LIMITS = {
+    "keep_last": ">= 0",
+    "save_every_minutes": ">= 0",
+    "timeout_minutes": "> 0, <= 1e6",  # (timedelta takes at most ~1.5e12 minutes)
+    "stop_at_step": ">= 0",
+}
+
+
 def field_docs(cls):
-    """{field name: its docstring}: the string literal under each field of a dataclass."""
-    body = ast.parse(inspect.getsource(cls)).body[0].body
+    """{field name: its docstring}: the string literal under each field of a dataclass and of the
+    dataclasses it derives from (a stage's Args and RunArgs)."""
     docs = {}
-    for field, doc in zip(body, body[1:]):
-        is_field = isinstance(field, ast.AnnAssign)
-        is_doc = isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
-        if is_field and is_doc:
-            docs[field.target.id] = doc.value.value
+    for klass in cls.__mro__:
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(inspect.getsource(klass)).body[0].body
+        for field, doc in zip(body, body[1:]):
+            is_field = isinstance(field, ast.AnnAssign)
+            is_doc = isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+            if is_field and is_doc:
+                docs.setdefault(field.target.id, doc.value.value)  # the subclass's own wins
     return docs
 
 
@@ -79,15 +139,20 @@ def parse_bool(text):
     return text.lower() == "true"
 
 
-def parse_args(cls, limits):
-    """The `Args` dataclass from the command line; each field's docstring is its --help. Every
-    number is then checked against `limits` (`check_limits`): bad flags stop here, before any
-    work, with one line naming the flag."""
+def build_parser(cls):
+    """The argparse parser of a stage's `Args`: one flag per field, its docstring the --help, in
+    two groups (the stage's own flags, then RunArgs')."""
     docs = field_docs(cls)
     description = sys.modules[cls.__module__].__doc__.split("\n")[0]
     # allow_abbrev off: `--max_step 5` is refused, not taken silently for --max_steps
     parser = ArgumentParser(description=description, allow_abbrev=False)
-    for f in dataclasses.fields(cls):
+    script = os.path.basename(sys.modules[cls.__module__].__file__)
+    own = parser.add_argument_group(f"{script}'s flags")
+    shared = parser.add_argument_group("flags every stage has (common.RunArgs)")
+    shared_names = {f.name for f in dataclasses.fields(RunArgs)}
+    # the stage's own flags first, in --help and its usage line: they say what the stage does
+    stage_first = sorted(dataclasses.fields(cls), key=lambda f: f.name in shared_names)
+    for f in stage_first:
         choices = typing.get_args(f.type) or None  # typing.Literal["stop", "warn"]
         kind = f.type
         if f.type is bool:
@@ -95,9 +160,20 @@ def parse_args(cls, limits):
         if choices:
             kind = str
         help_text = f"{docs[f.name]} (default: {f.default!r})"
-        parser.add_argument(
+        group = own
+        if f.name in shared_names:
+            group = shared
+        group.add_argument(
             f"--{f.name}", type=kind, choices=choices, default=f.default, help=help_text
         )
+    return parser
+
+
+def parse_args(cls, limits):
+    """The `Args` dataclass from the command line (`build_parser`). Every number is then checked
+    against `limits` and RUN_LIMITS (`check_limits`): bad flags stop here, before any work, with
+    one line naming the flag."""
+    parser = build_parser(cls)
     args = cls(**vars(parser.parse_args()))
     if not args.out_dir:
         raise SystemExit("error: --out_dir: expected a folder or a store URL, got ''")
@@ -111,7 +187,7 @@ def parse_args(cls, limits):
             objstore.fs_of(getattr(args, flag))  # a store's client must be installed
         except objstore.StoreError as e:
             raise SystemExit(f"error: --{flag} {e}")
-    check_limits(args, limits)
+    check_limits(args, {**RUN_LIMITS, **limits})
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise SystemExit(
             "error: --tensorboard needs the tensorboard package: pip install tensorboard"

@@ -27,7 +27,6 @@ import dataclasses
 import math
 import os
 import time
-import typing
 
 import torch
 import torch.distributed as dist
@@ -42,7 +41,10 @@ import task
 
 
 @dataclasses.dataclass
-class Args:
+class Args(common.RunArgs):
+    """train_rm.py's flags. Those every stage has (resuming, saving, FSDP2, logging) come from
+    `common.RunArgs`."""
+
     model: str = "runs/sft/hf"
     """the SFT export, or any causal LM or sequence-classification folder or hub id: the reward
     model's backbone"""
@@ -54,19 +56,10 @@ class Args:
     --data)"""
     out_dir: str = "runs/rm"
     """checkpoints/, metrics.jsonl and the final hf/ export go here"""
-    local_dir: str = ""
-    """with an object-store --out_dir (s3://...): the local folder for metrics.jsonl, samples.jsonl
-    and tensorboard/, copied into the store at every checkpoint and at the end ('': runs/store/
-    followed by the URL's bucket and path); a local --out_dir holds them itself"""
     max_steps: int = 2000
     """optimizer steps in the whole run (the LR schedule spans them)"""
     save_every: int = 250
     """save a full checkpoint every this many steps (and at the end)"""
-    keep_last: int = 2
-    """keep this many checkpoints; older ones are pruned after a new one is committed"""
-    resume: str = ""
-    """'latest' (newest checkpoint in out_dir that verifies) or a checkpoint path; empty: start
-    fresh"""
     seed: int = 42
     """seeds the data order, the reward head's initialisation and every RNG"""
     train_batch_size: int = 64
@@ -94,43 +87,13 @@ class Args:
     """score the held-out pairs every this many steps (0: only at the end)"""
     eval_samples: int = 1000
     """held-out pairs per evaluation"""
-    save_every_minutes: float = 0.0
-    """also save when this many minutes of wall time have passed since the last save (0: off)"""
-    async_save: bool = False
-    """write checkpoints in a background thread while training goes on (published once complete)"""
-    on_save_error: typing.Literal["stop", "warn"] = "stop"
-    """a failed save (disk full, I/O error) stops the run, or warns and trains on; the last good
-    one stays latest"""
-    gradient_checkpointing: bool = False
-    """activation checkpointing on every transformer block: less memory, about a third more
-    compute"""
-    reshard_after_forward: bool = True
-    """FSDP2: free each block's gathered parameters after its forward (true: one shard per rank
-    between uses) or keep them until its backward (false: no second all-gather in the backward,
-    and none after a no-grad forward; the memory of unsharded parameters). Where collectives are
-    slow (gloo on CPU) false is faster; the results are the same"""
-    attn_implementation: str = "auto"
-    """transformers attention: eager, sdpa, ... or auto (eager where the family needs it: Gemma 2's
-    soft-capping, which SDPA drops; else transformers' default)"""
-    timeout_minutes: float = 30.0
-    """a collective waiting longer than this (a peer dead or stuck) fails with an error, not a
-    hang"""
-    tensorboard: bool = False
-    """also write TensorBoard event files to <out_dir>/tensorboard/ (needs `pip install
-    tensorboard`)"""
-    verbose: bool = False
-    """also print what transformers and torch log below errors, their warnings and their loading
-    bars (off: the run's own lines, its progress bar and errors only)"""
-    stop_at_step: int = 0
-    """save and exit after this step, as a preempted run would (for testing resume); 0: never"""
 
 
 # What each number may be, checked when the flags are parsed (`common.check_limits`); every float
-# must also be finite. `--keep_last 0` keeps every checkpoint; 0 turns the *_every flags off.
+# must also be finite; 0 turns the *_every flags off. RunArgs' flags: `common.RUN_LIMITS`.
 LIMITS = {
     "max_steps": ">= 1",
     "save_every": ">= 0",
-    "keep_last": ">= 0",
     "train_batch_size": ">= 1",
     "micro_batch_size": ">= 1",
     "lr": ">= 0",
@@ -142,9 +105,6 @@ LIMITS = {
     "norm_samples": ">= 2",
     "eval_every": ">= 0",
     "eval_samples": ">= 0",
-    "save_every_minutes": ">= 0",
-    "timeout_minutes": "> 0, <= 1e6",  # (timedelta takes at most ~1.5e12 minutes)
-    "stop_at_step": ">= 0",
 }
 
 

@@ -249,6 +249,11 @@ def test_ppo_batch_sizes(tmp_path):
         ("train_sft.py", "--max_step", 1, "unrecognized arguments: --max_step 1"),  # no prefixes
         ("train_rm.py", "--out_dir", "", "expected a folder or a store URL"),
         ("train_dpo.py", "--resume", "file://", "expected a path after file://"),
+        # common.RunArgs' flags, checked against common.RUN_LIMITS in every stage
+        ("train_dpo.py", "--keep_last", -2, "expected a number >= 0"),
+        ("train_rm.py", "--timeout_minutes", 0, "expected a number > 0, <= 1e6"),
+        ("train_ppo.py", "--stop_at_step", -1, "expected a number >= 0"),
+        ("train_rm.py", "--save_every_minutes", -5, "expected a number >= 0"),
     ],
 )
 def test_flags_out_of_range(tmp_path, monkeypatch, capsys, script, flag, value, needle):

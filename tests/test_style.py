@@ -237,3 +237,26 @@ def test_readme_documents_every_flag_and_metric():
         keys |= set(re.findall(pattern, open(os.path.join(REPO, f)).read()))
     missing = [k for k in keys if k not in readme]
     assert len(keys) > 20 and not missing, missing
+
+
+def test_stages_share_their_common_flags_without_copying_them():
+    """Every stage's Args derives the flags all stages have from common.RunArgs instead of
+    declaring them again, and --help lists the stage's own flags first, then the shared ones."""
+    sys.path.insert(0, REPO)
+    import common
+    import train_dpo
+    import train_ppo
+    import train_rm
+    import train_sft
+
+    shared = [f.name for f in dataclasses.fields(common.RunArgs)]
+    for stage in (train_sft, train_rm, train_ppo, train_dpo):
+        assert issubclass(stage.Args, common.RunArgs), stage.__name__
+        own = stage.Args.__annotations__
+        assert not set(own) & set(shared), (stage.__name__, set(own) & set(shared))
+        text = common.build_parser(stage.Args).format_help()
+        own_group = text.index(f"{stage.__name__}.py's flags")
+        shared_group = text.index("flags every stage has (common.RunArgs)")
+        model_help = text.index("--model ", own_group)
+        assert model_help < shared_group < text.index("--resume ", shared_group), text
+        assert all(text.count(f"--{name} ") == 2 for name in shared), text  # usage + help
