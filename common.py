@@ -527,6 +527,29 @@ def encode_response(tok, prompt, response):
     return tok(response, add_special_tokens=False).input_ids
 
 
+def encode_pair(tok, row, max_len, where):
+    """((chosen ids, n_prompt), (rejected ids, n_prompt)) of a {"prompt", "chosen", "rejected"}
+    row, for the preference stages (train_rm.py, train_dpo.py): each the prompt's tokens (chat
+    template), the response's, and its end (EOS, or the template's end of turn:
+    `response_end_id`), as `train_ppo.py: reward_model_inputs` builds a finished response. The
+    end is a response token: DPO also learns where to stop. `where` names the row in the error
+    if it does not fit the context."""
+    longest = max(row["chosen"], row["rejected"], key=len)
+    check_fits(tok, row["prompt"] + longest, max_len, where)
+    prompt = encode_prompt(tok, row["prompt"])
+    sequences = []
+    for name in ("chosen", "rejected"):
+        response = encode_response(tok, row["prompt"], row[name])
+        ids = prompt + response + [response_end_id(tok)]
+        if len(ids) > max_len:
+            raise SystemExit(
+                f"error: {where}: prompt+{name} is {len(ids)} tokens, longer than the model's "
+                f"context (max_position_embeddings {max_len})"
+            )
+        sequences.append((ids, len(prompt)))
+    return sequences[0], sequences[1]
+
+
 def _ids_after(tok, context, response):
     """The ids that follow the context's own when context + response is tokenized whole; None
     where the context's ids are no prefix of the whole's, or (a fast tokenizer: it has character
@@ -644,9 +667,9 @@ def greedy_accuracy(model, tok, examples, stop_ids, device, batch_size=64):
         texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         right += [t.strip() == e["response"].strip() for t, e in zip(texts, chunk)]
     model.train(was_training)
-    totals = torch.tensor([sum(right[:counted]), counted], dtype=torch.float64, device=device)
-    dist.all_reduce(totals)  # every rank's correct answers and examples
-    return (totals[0] / totals[1]).item()
+    # every rank decoded a share: the accuracy is over all of them
+    totals = global_sums({"right": sum(right[:counted]), "examples": counted}, device)
+    return totals["right"] / totals["examples"]
 
 
 # ---- models --------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ as a causal LM that train_ppo.py, vLLM and transformers load.
     torchrun --nproc_per_node=2 train_dpo.py --model runs/sft/hf --out_dir runs/dpo --resume latest
     torchrun --nproc_per_node=8 train_dpo.py --model my_sft --data pairs.jsonl --beta 0.1
 
-Reading order: `Args`; the math (`encode_pair`, `collate`, `sequence_logprobs`, `dpo_loss`,
+Reading order: `Args`; the math (`encode_pairs`, `collate`, `sequence_logprobs`, `dpo_loss`,
 `dpo_statistics`); the phases (`pair_logprobs`, `train_step`); `main` (held-out greedy accuracy:
 `common.greedy_accuracy`). The plumbing (process group, sharding, logging) is in common.py.
 """
@@ -101,26 +101,19 @@ LIMITS = {
 
 
 # ---- the math ----------------------------------------------------------------------------------
-def encode_pair(tok, row, max_len, where):
-    """((chosen ids, n_prompt), (rejected ids, n_prompt)) of a {"prompt", "chosen", "rejected"} row:
-    the prompt's tokens (chat template), the response's, and its end (EOS, or the template's end
-    of turn: `common.response_end_id`), as train_rm.py and train_ppo.py encode a finished
-    response. The end is a response token: DPO also learns where to stop."""
-    longest = max(row["chosen"], row["rejected"], key=len)
-    common.check_fits(tok, row["prompt"] + longest, max_len, where)
-    prompt = common.encode_prompt(tok, row["prompt"])
-    common.check_prompt_ids(prompt, where)
-    sequences = []
-    for name in ("chosen", "rejected"):
-        response = common.encode_response(tok, row["prompt"], row[name])
-        ids = prompt + response + [common.response_end_id(tok)]
-        if len(ids) > max_len:
-            raise SystemExit(
-                f"error: {where}: prompt+{name} is {len(ids)} tokens, longer than the model's "
-                f"context (max_position_embeddings {max_len})"
-            )
-        sequences.append((ids, len(prompt)))
-    return sequences[0], sequences[1]
+def encode_pairs(tok, rows, max_len, source):
+    """[((chosen ids, n_prompt), (rejected ids, n_prompt))] of {"prompt", "chosen", "rejected"}
+    rows (`common.encode_pair`: the prompt, the response and its end, the end a response token, so
+    DPO also learns where to stop). A prompt must have a token: the response's first logprob is
+    predicted from the one before it."""
+    pairs = []
+    for i, row in enumerate(rows):
+        where = f"{source}:{i + 1}"
+        chosen, rejected = common.encode_pair(tok, row, max_len, where)
+        ids, n_prompt = chosen
+        common.check_prompt_ids(ids[:n_prompt], where)
+        pairs.append((chosen, rejected))
+    return pairs
 
 
 def collate(sequences, pad_id):
@@ -149,20 +142,20 @@ def sequence_logprobs(logits, input_ids, response_mask):
     return (per_token * response_mask[:, 1:]).sum(-1)
 
 
-def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, args, n_pairs):
+def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, n_pairs, beta, loss_type, eps):
     """The DPO loss summed over this micro-batch's pairs and divided by n_pairs, the pairs of the
     whole global batch (so micro-batches and ranks add up to the global mean). All inputs [b]:
     summed response logprobs under the policy (with gradient) and the reference.
     h = (pi_c - ref_c) - (pi_r - ref_r), the difference of log-ratios.
     sigmoid (eq. 7 of Rafailov et al. 2023), with conservative DPO's label smoothing ε:
         (1 - ε)·(-log σ(β h)) + ε·(-log σ(-β h))
-    ipo (Azar et al. 2023, eq. 17): (h - 1/(2β))², a regression of h to a finite target."""
+    ipo (Azar et al. 2023, eq. 17): (h - 1/(2β))², a regression of h to a finite target.
+    beta: β (--beta); loss_type: sigmoid or ipo (--loss_type); eps: ε (--label_smoothing)."""
     h = (pi_chosen - ref_chosen) - (pi_rejected - ref_rejected)  # [b]
-    if args.loss_type == "ipo":
-        losses = (h - 1 / (2 * args.beta)) ** 2
+    if loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
     else:
-        eps = args.label_smoothing
-        losses = -(1 - eps) * F.logsigmoid(args.beta * h) - eps * F.logsigmoid(-args.beta * h)
+        losses = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
     return losses.sum() / n_pairs
 
 
@@ -197,7 +190,7 @@ def load_data(args, tok, max_len):
     else:
         held_out = task.make_split("test")  # the prompts of task.make_pairs("test")
     source = args.data or "embedded task"
-    train = [encode_pair(tok, row, max_len, f"{source}:{i + 1}") for i, row in enumerate(train)]
+    train = encode_pairs(tok, train, max_len, source)
     if len(train) < args.train_batch_size:
         raise SystemExit(
             f"error: {source}: {len(train)} pairs, fewer than --train_batch_size "
@@ -242,13 +235,22 @@ def train_step(args, model, reference, optim, sched, mine, pad_id, device):
             ref_chosen, ref_rejected = pair_logprobs(reference, micro, pad_id, device)
         pi_chosen, pi_rejected = pair_logprobs(model, micro, pad_id, device)
         loss = dpo_loss(
-            pi_chosen, pi_rejected, ref_chosen, ref_rejected, args, args.train_batch_size
+            pi_chosen,
+            pi_rejected,
+            ref_chosen,
+            ref_rejected,
+            n_pairs=args.train_batch_size,
+            beta=args.beta,
+            loss_type=args.loss_type,
+            eps=args.label_smoothing,
         )
         # FSDP averages gradients over ranks; the loss is already a global pair mean: undo that
         (loss * world).backward()
         sums["loss"] += loss.item()
-        logps = (pi_chosen.detach(), pi_rejected.detach(), ref_chosen, ref_rejected)
-        for name, value in dpo_statistics(*logps, args.beta).items():
+        statistics = dpo_statistics(
+            pi_chosen.detach(), pi_rejected.detach(), ref_chosen, ref_rejected, args.beta
+        )
+        for name, value in statistics.items():
             sums[name] = sums.get(name, 0.0) + value
     grad_norm = common.clip_grad_norm(model, args.max_grad_norm, "policy")
     optim.step()

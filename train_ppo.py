@@ -180,7 +180,8 @@ LIMITS = {
 # B: responses on this rank, R: the longest response's length. Every [B, R] tensor is zero past a
 # response's end (`mask`), and every mean over tokens divides by the count of real tokens.
 def masked_mean(x, mask, n=None):
-    """Mean of x over mask == 1; n: the count to divide by, when it spans more than this tensor."""
+    """Mean of x over mask == 1 (x, mask [B, R] -> a scalar); n: the count to divide by, when it
+    spans more than this tensor (the global batch's tokens)."""
     if n is None:
         n = mask.sum()
     return (x * mask).sum() / n
@@ -207,11 +208,18 @@ def masked_whiten(x, mask, shift_mean=True):
     return white.to(x.dtype) * mask
 
 
+def kl_k1(logprobs, ref_logprobs, mask):
+    """The per-token KL to the reference, k1 estimator: log pi(y_t) - log pi_ref(y_t) at each
+    sampled token, whose sum over a response is an unbiased sample of KL(pi || pi_ref) (Schulman
+    2020, "Approximating KL divergence"; Ziegler et al. 2019 eq. 2). All [B, R]."""
+    return (logprobs - ref_logprobs) * mask
+
+
 def compute_rewards(scores, logprobs, ref_logprobs, mask, kl_coef):
     """Per-token reward r_t = -beta * (log pi(y_t) - log pi_ref(y_t)), plus the score at the last
     response token (Ziegler et al. 2019 eq. 2; [N policy #8]). scores [B]; the rest [B, R].
     Returns (rewards, kl), both [B, R]."""
-    kl = (logprobs - ref_logprobs) * mask  # k1 estimator of the per-token KL  [B, R]
+    kl = kl_k1(logprobs, ref_logprobs, mask)  # [B, R]
     rewards = -kl_coef * kl
     last = mask.sum(1).long() - 1  # index of each response's last token  [B]
     rewards[torch.arange(len(scores)), last] += scores
@@ -238,6 +246,14 @@ def compute_gae(rewards, values, mask, gamma, lam):
     advantages = advantages * mask
     returns = (advantages + values) * mask
     return advantages, returns
+
+
+def sequence_rewards(scores, kl, kl_coef):
+    """RLOO's reward of a whole response, its score less beta times its summed KL,
+        R(x, y) = r(x, y) - beta sum_t KL_t
+    (Ahmadian et al. 2024, sec. 3: the whole response is one action, so its KL penalty is one
+    number too; TRL's RLOO). scores [B], kl [B, R] -> [B]."""
+    return scores - kl_coef * kl.sum(1)
 
 
 def group_advantages(scores, kind):
@@ -275,8 +291,9 @@ def kl_loss(logprobs, ref_logprobs, mask, n_tokens):
 
 
 def value_loss(values, old_values, returns, mask, cliprange_value, n_tokens):
-    """0.5 (V - returns)^2, optionally clipped around the old values like the policy ([N policy
-    #10]; Schulman et al.'s baselines code). All [B, R]. Returns (vf_loss, vf_clipfrac)."""
+    """0.5 (V - returns)^2, the squared-error value loss L^VF of Schulman et al. 2017 (eq. 9),
+    optionally clipped around the old values like the policy ([N policy #10]; their baselines
+    code). All [B, R]. Returns (vf_loss, vf_clipfrac)."""
     vf_losses = (values - returns) ** 2
     if cliprange_value <= 0:
         return 0.5 * masked_mean(vf_losses, mask, n_tokens), torch.zeros(())
@@ -745,7 +762,7 @@ def reward_model_inputs(reward_tok, prompt_texts, response_texts, finished):
     """The reward model's own token ids for each (prompt, response), [B][len]: the prompt (through
     its chat template when it has one), the response, and its end (`common.response_end_id`) when
     the response ended there. The reward model never sees the policy's ids: its vocabulary and pad
-    id may differ. This is the format `train_rm.py: encode_pair` trains the reward model on
+    id may differ. This is the format `common.encode_pair` trains the reward model on
     (prompt, response, end)."""
     sequences = []
     for prompt, response, ended in zip(prompt_texts, response_texts, finished):
@@ -893,14 +910,12 @@ def compute_advantages(args, exp, scores, order, kl_coef):
         return
     # rloo folds the KL into the sequence reward (Ahmadian et al.; TRL's RLOO), then takes the
     # baseline (OpenRLHF baselines the score alone and adds the per-token KL after); grpo keeps it
-    # a loss term
-    # (`ppo_loss`), as dividing by a group's std would blow up the KL's noise.
-    sequence_rewards = scores
+    # a loss term (`ppo_loss`), as dividing by a group's std would blow up the KL's noise.
+    rewards = scores  # [B]
     if args.advantage_estimator == "rloo":
-        kl = (logprobs - ref_logprobs) * mask  # k1, as compute_rewards  [B, R]
-        sequence_rewards = scores - kl_coef * kl.sum(1)
+        rewards = sequence_rewards(scores, kl_k1(logprobs, ref_logprobs, mask), kl_coef)
     prompt_major = torch.empty_like(scores)
-    prompt_major[order] = sequence_rewards
+    prompt_major[order] = rewards
     groups = prompt_major.view(-1, args.n_samples_per_prompt)  # [prompts, n]
     advantages = group_advantages(groups, args.advantage_estimator).flatten()[order]  # [B]
     exp.advantages = advantages[:, None] * mask
@@ -1013,12 +1028,12 @@ def evaluate(args, engine, tok, models, items, device):
     gold_sum = 0.0
     if args.gold_reward_fn:
         gold_sum = gold_scores(args, tok, texts, gen.response_ids)[:counted].sum().item()
-    sums = [scores[:counted].sum().item(), counted, gold_sum]
-    totals = torch.tensor(sums, dtype=torch.float64, device=device)
-    dist.all_reduce(totals)  # every rank's sum of scores, count and sum of gold scores
-    metrics = {"eval/accuracy": (totals[0] / totals[1]).item()}
+    # every rank scored a share: the means are over all of them
+    local = {"score": scores[:counted].sum().item(), "count": counted, "gold": gold_sum}
+    totals = common.global_sums(local, device)
+    metrics = {"eval/accuracy": totals["score"] / totals["count"]}
     if args.gold_reward_fn:
-        metrics["eval/gold_accuracy"] = (totals[2] / totals[1]).item()
+        metrics["eval/gold_accuracy"] = totals["gold"] / totals["count"]
     return metrics
 
 
@@ -1043,8 +1058,7 @@ def rollout_sums(raw_scores, gen, exp, gap, gold):
         "tokens": mask.sum().item(),
     }
     if exp.ref_logprobs is not None:  # else no reference, and no KL to it is measured
-        kl = (exp.old_logprobs - exp.ref_logprobs) * mask  # k1, per token  [B, R]
-        sums["kl"] = kl.sum().item()
+        sums["kl"] = kl_k1(exp.old_logprobs, exp.ref_logprobs, mask).sum().item()
     if gold is not None:
         sums["gold_score"] = gold.sum().item()
     return sums

@@ -18,7 +18,7 @@ PPO normalises the score with them.
     torchrun --nproc_per_node=2 train_rm.py --model runs/sft/hf --out_dir runs/rm [--resume latest]
     torchrun --nproc_per_node=8 train_rm.py --model my_sft --data pairs.jsonl --eval_data held.jsonl
 
-Reading order: `Args`; the math (`encode_pair`, `collate`, `last_token_scores`,
+Reading order: `Args`; the math (`encode_pairs`, `collate`, `last_token_scores`,
 `bradley_terry_loss`); the phases (`pair_scores`, `train_step`, `evaluate`, `reward_stats`);
 `main`. The plumbing (process group, sharding, logging) is in common.py.
 """
@@ -109,24 +109,14 @@ LIMITS = {
 
 
 # ---- the math ----------------------------------------------------------------------------------
-def encode_pair(tok, row, max_len, where):
-    """(chosen ids, rejected ids) of a {"prompt", "chosen", "rejected"} row: each the prompt's
-    tokens, the response's, and its end, as `train_ppo.py: reward_model_inputs` builds a finished
-    response. `where` names the row in the error if it does not fit the context."""
-    longest = max(row["chosen"], row["rejected"], key=len)
-    common.check_fits(tok, row["prompt"] + longest, max_len, where)
-    prompt = common.encode_prompt(tok, row["prompt"])
-    sequences = []
-    for name in ("chosen", "rejected"):
-        response = common.encode_response(tok, row["prompt"], row[name])
-        ids = prompt + response + [common.response_end_id(tok)]
-        if len(ids) > max_len:
-            raise SystemExit(
-                f"error: {where}: prompt+{name} is {len(ids)} tokens, longer than the model's "
-                f"context (max_position_embeddings {max_len})"
-            )
-        sequences.append(ids)
-    return sequences[0], sequences[1]
+def encode_pairs(tok, rows, max_len, source):
+    """[(chosen ids, rejected ids)] of {"prompt", "chosen", "rejected"} rows, each sequence the
+    prompt, the response and its end (`common.encode_pair`, as PPO scores a finished response).
+    The reward model reads the whole sequence, so the prompt's length is not kept."""
+    pairs = [
+        common.encode_pair(tok, row, max_len, f"{source}:{i + 1}") for i, row in enumerate(rows)
+    ]
+    return [(chosen, rejected) for (chosen, _), (rejected, _) in pairs]
 
 
 def collate(sequences, pad_id):
@@ -179,12 +169,8 @@ def load_data(args, tok, max_len):
     else:
         held_out = task.make_pairs("test")  # prompts of the held-out split only
     source = args.data or "embedded task"
-    train = [encode_pair(tok, row, max_len, f"{source}:{i + 1}") for i, row in enumerate(train)]
-    held_out = held_out[: args.eval_samples]
-    eval_source = args.eval_data or "embedded task"
-    held_out = [
-        encode_pair(tok, row, max_len, f"{eval_source}:{i + 1}") for i, row in enumerate(held_out)
-    ]
+    train = encode_pairs(tok, train, max_len, source)
+    held_out = encode_pairs(tok, held_out[: args.eval_samples], max_len, args.eval_data or source)
     if len(train) < args.train_batch_size:
         raise SystemExit(
             f"error: {source}: {len(train)} pairs, fewer than --train_batch_size "

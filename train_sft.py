@@ -122,8 +122,10 @@ def collate(examples, pad_id):
 
 
 def sft_loss(logits, labels, n_tokens):
-    """Summed next-token cross-entropy over response tokens, divided by n_tokens (the response
-    tokens of the whole global batch, so micro-batches and ranks add up to the global mean).
+    """The SFT objective (Ouyang et al. 2022, sec. 3.5: supervised fine-tuning on demonstrations),
+    the negative log-likelihood of the response given the prompt: next-token cross-entropy summed
+    over response tokens, divided by n_tokens (the response tokens of the whole global batch, so
+    micro-batches and ranks add up to the global mean).
     logits [B, T, V], labels [B, T]: position t predicts token t+1, hence the shift by one."""
     logits = logits[:, :-1].flatten(0, 1).float()  # [B*(T-1), V]
     targets = labels[:, 1:].flatten()  # [B*(T-1)]

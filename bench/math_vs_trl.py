@@ -269,8 +269,8 @@ def plain_pairs(inp, train_dpo, train_rm):
         ("cdpo", "sigmoid", 0.1),
         ("ipo", "ipo", 0),
     ]:
-        args = types.SimpleNamespace(loss_type=loss_type, beta=inp["dpo_beta"], label_smoothing=eps)
-        out[key] = flat(train_dpo.dpo_loss(*pairs, args, n))
+        loss = train_dpo.dpo_loss(*pairs, n, beta=inp["dpo_beta"], loss_type=loss_type, eps=eps)
+        out[key] = flat(loss)
     stats = train_dpo.dpo_statistics(*pairs, inp["dpo_beta"])
     out["dpo_statistics"] = flat([stats[k] / n for k in sorted(stats)])
     bt = []

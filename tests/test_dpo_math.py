@@ -2,7 +2,6 @@
 its implicit rewards and accuracy, label smoothing, IPO; and the encoding PPO and the RM share."""
 
 import math
-import types
 
 import pytest
 import torch
@@ -15,7 +14,8 @@ from conftest import tiny_llama
 
 
 def flags(beta=0.5, label_smoothing=0.0, loss_type="sigmoid"):
-    return types.SimpleNamespace(beta=beta, label_smoothing=label_smoothing, loss_type=loss_type)
+    """dpo_loss's settings, as keywords."""
+    return {"beta": beta, "eps": label_smoothing, "loss_type": loss_type}
 
 
 def test_collate_masks_the_response_from_the_lengths_not_the_ids():
@@ -78,7 +78,7 @@ def test_dpo_loss_rewards_and_accuracy_by_hand():
     ref_r = torch.tensor([-3.5, -3.0])
     # h = (pi_c - ref_c) - (pi_r - ref_r): (0.5 - -0.5) = 1 and (-1 - 1) = -2; beta 0.5
     want = (math.log(1 + math.exp(-0.5)) + math.log(1 + math.exp(1.0))) / 4  # 4 global pairs
-    got = train_dpo.dpo_loss(pi_c, pi_r, ref_c, ref_r, flags(), 4)
+    got = train_dpo.dpo_loss(pi_c, pi_r, ref_c, ref_r, 4, **flags())
     assert got.item() == pytest.approx(want, rel=1e-6)
     stats = train_dpo.dpo_statistics(pi_c, pi_r, ref_c, ref_r, 0.5)
     # implicit rewards 0.5 * (pi - ref): chosen 0.25, -0.5; rejected -0.25, 0.5
@@ -91,7 +91,7 @@ def test_dpo_loss_rewards_and_accuracy_by_hand():
 
 def test_the_loss_is_log_2_when_the_policy_is_the_reference():
     logps = torch.tensor([-3.0, -7.5, -1.25])
-    got = train_dpo.dpo_loss(logps, logps + 1, logps, logps + 1, flags(beta=0.1), 3)
+    got = train_dpo.dpo_loss(logps, logps + 1, logps, logps + 1, 3, **flags(beta=0.1))
     assert got.item() == pytest.approx(math.log(2), rel=1e-7)
 
 
@@ -102,7 +102,7 @@ def test_label_smoothing_by_hand():
     eps = 0.1
     x = 0.5 * h
     want = (1 - eps) * math.log(1 + math.exp(-x)) + eps * math.log(1 + math.exp(x))
-    got = train_dpo.dpo_loss(pi_c, zero, zero, zero, flags(label_smoothing=eps), 1)
+    got = train_dpo.dpo_loss(pi_c, zero, zero, zero, 1, **flags(label_smoothing=eps))
     assert got.item() == pytest.approx(want, rel=1e-6)
 
 
@@ -110,7 +110,7 @@ def test_ipo_by_hand():
     pi_c = torch.tensor([3.0, 0.0])
     zero = torch.zeros(2)
     # target 1 / (2 beta) = 1 with beta 0.5: (3 - 1)^2 and (0 - 1)^2, over 2 pairs
-    got = train_dpo.dpo_loss(pi_c, zero, zero, zero, flags(loss_type="ipo"), 2)
+    got = train_dpo.dpo_loss(pi_c, zero, zero, zero, 2, **flags(loss_type="ipo"))
     assert got.item() == pytest.approx((4 + 1) / 2)
 
 
@@ -118,9 +118,9 @@ def test_micro_batches_add_up_to_the_global_mean():
     pi_c = torch.tensor([-1.0, -2.0, -3.0, -4.0])
     pi_r = torch.tensor([-2.0, -1.0, -5.0, -3.0])
     ref = torch.full((4,), -2.5)
-    whole = train_dpo.dpo_loss(pi_c, pi_r, ref, ref, flags(), 4)
-    halves = train_dpo.dpo_loss(pi_c[:2], pi_r[:2], ref[:2], ref[:2], flags(), 4)
-    halves = halves + train_dpo.dpo_loss(pi_c[2:], pi_r[2:], ref[2:], ref[2:], flags(), 4)
+    whole = train_dpo.dpo_loss(pi_c, pi_r, ref, ref, 4, **flags())
+    halves = train_dpo.dpo_loss(pi_c[:2], pi_r[:2], ref[:2], ref[:2], 4, **flags())
+    halves = halves + train_dpo.dpo_loss(pi_c[2:], pi_r[2:], ref[2:], ref[2:], 4, **flags())
     assert halves.item() == pytest.approx(whole.item(), rel=1e-6)
 
 
@@ -129,7 +129,7 @@ def test_pairs_are_encoded_as_ppo_encodes_a_finished_response():
 
     tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
     row = {"prompt": "37+45=", "chosen": "82", "rejected": "712"}
-    (chosen, n_c), (rejected, n_r) = train_dpo.encode_pair(tok, row, 64, "row 1")
+    [((chosen, n_c), (rejected, n_r))] = train_dpo.encode_pairs(tok, [row], 64, "data")
     want = train_ppo.reward_model_inputs(tok, ["37+45="] * 2, ["82", "712"], [True, True])
     assert [chosen, rejected] == want
     assert n_c == n_r == len(chosen) - 3  # "8", "2", EOS are the response

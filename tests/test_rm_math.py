@@ -56,12 +56,12 @@ def test_micro_batches_add_up_to_the_global_mean():
 
 
 def test_the_rm_is_trained_on_the_format_ppo_scores():
-    """encode_pair builds exactly what train_ppo.reward_model_inputs gives a finished response."""
+    """encode_pairs builds exactly what train_ppo.reward_model_inputs gives a finished response."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
     row = {"prompt": "37+45=", "chosen": "82", "rejected": "712"}
-    chosen, rejected = train_rm.encode_pair(tok, row, 64, "row 1")
+    [(chosen, rejected)] = train_rm.encode_pairs(tok, [row], 64, "data")
     want = train_ppo.reward_model_inputs(tok, ["37+45="] * 2, ["82", "712"], [True, True])
     assert [chosen, rejected] == want
     assert chosen[-1] == tok.eos_token_id and len(rejected) == len(chosen) + 1

@@ -15,6 +15,8 @@ import checkpoint
 import common
 import rollout
 import task
+import train_dpo
+import train_rm
 import train_sft
 from conftest import REPO
 from conftest import NoKeep
@@ -425,6 +427,13 @@ def test_an_empty_prompt_without_a_bos_is_refused():
     tok = bpe_merging_tokenizer()
     with pytest.raises(SystemExit, match="x.jsonl:3: the prompt has no tokens"):
         train_sft.encode(tok, {"prompt": "", "response": "82"}, 64, "x.jsonl:3")
+    # DPO's first response logprob likewise; a reward model reads the whole sequence, so takes it
+    row = {"prompt": "", "chosen": "82", "rejected": "81"}
+    with pytest.raises(SystemExit, match="x.jsonl:2: the prompt has no tokens"):
+        train_dpo.encode_pairs(
+            tok, [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}, row], 64, "x.jsonl"
+        )
+    assert len(train_rm.encode_pairs(tok, [row], 64, "x.jsonl")) == 1
 
 
 def test_a_token_across_the_join_is_never_dropped():
