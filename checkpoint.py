@@ -972,6 +972,10 @@ def _start_dcp(tmp, roles, async_save, future):
     writer = dcp.FileSystemWriter(os.path.join(tmp, "dcp"))
     if objstore.is_url(tmp):
         writer = FsspecWriter(os.path.join(tmp, "dcp"))
+    # Collective: DCP plans the save on every rank together (gathering each rank's plan to rank
+    # 0 and scattering the final one back), so that no two ranks write the same shard; each rank
+    # then writes its own files. The async save's collectives run on a group of their own, so
+    # they never interleave with the training's.
     if async_save:
         future.append(dcp.async_save(state, storage_writer=writer, process_group=_async_group[0]))
     else:
@@ -1146,20 +1150,21 @@ def resolve(out_dir, resume):
     what killed runs left, and lists the checkpoints to try; all ranks verify them together
     (_choose); every rank gets the pick ('' = start fresh) and the run's id (its temp dirs'
     names)."""
-    plan = [[], None, None, None]  # [checkpoints to try, error, run id, latest (on a store)]
+    plan = {"candidates": [], "error": None, "run_id": None, "latest": None}
     if dist.get_rank() == 0:
-        result = _start(out_dir, resume)
-        plan[: len(result)] = result
+        plan.update(_start(out_dir, resume))
     # all ranks try the very same checkpoints and name temp dirs alike, or all fail
-    dist.broadcast_object_list(plan, src=0)
-    if plan[1]:
-        raise CheckpointError(plan[1])
-    _run["id"] = plan[2]
-    _run["latest"] = plan[3]  # for a failed save's message when the store is unreachable
+    shared = [plan]
+    dist.broadcast_object_list(shared, src=0)
+    plan = shared[0]
+    if plan["error"]:
+        raise CheckpointError(plan["error"])
+    _run["id"] = plan["run_id"]
+    _run["latest"] = plan["latest"]  # for a failed save's message when the store is unreachable
     mode = resume
-    if resume not in ("", "latest") and plan[0] != [resume]:
+    if resume not in ("", "latest") and plan["candidates"] != [resume]:
         mode = "latest"  # a restart of a run started from another run's checkpoint (_candidates)
-    path, error = _choose(plan[0], mode)
+    path, error = _choose(plan["candidates"], mode)
     if error:
         raise CheckpointError(error)
     _run["branch"] = _branch_of(path, os.path.join(out_dir, "checkpoints"))
@@ -1188,7 +1193,8 @@ RUN_FILES = ("metrics.jsonl", "samples.jsonl", os.path.join("checkpoints", "late
 
 
 def _start(out_dir, resume):
-    """Rank 0: [checkpoints to try, error or None, run id]."""
+    """Rank 0: {"candidates": the checkpoints to try, "error": a line or None, "run_id": the name
+    of this run's temp dirs, and on a store "latest": what its `latest` file names}."""
     if objstore.is_url(out_dir):
         return _start_store(out_dir, resume)
     root = os.path.join(out_dir, "checkpoints")
@@ -1203,10 +1209,10 @@ def _start(out_dir, resume):
         _remove_stale_temps(root)
         paths, error = _candidates(root, resume)
     except CheckpointError as e:
-        return [[], str(e), None]
+        return {"candidates": [], "error": str(e)}
     except OSError as e:
-        return [[], f"{out_dir}: {e.strerror}: {e.filename}", None]
-    return [paths, error, uuid.uuid4().hex[:8]]
+        return {"candidates": [], "error": f"{out_dir}: {e.strerror}: {e.filename}"}
+    return {"candidates": paths, "error": error, "run_id": uuid.uuid4().hex[:8]}
 
 
 def _start_store(out_dir, resume):
@@ -1224,10 +1230,10 @@ def _start_store(out_dir, resume):
         paths, error = _candidates(root, resume)
         latest = _read_latest(root)
     except CheckpointError as e:
-        return [[], str(e), None]
+        return {"candidates": [], "error": str(e)}
     except (OSError, objstore.StoreError) as e:
-        return [[], f"{out_dir}: {describe(e)}", None]
-    return [paths, error, run_id, latest]
+        return {"candidates": [], "error": f"{out_dir}: {describe(e)}"}
+    return {"candidates": paths, "error": error, "run_id": run_id, "latest": latest}
 
 
 def _lock(out_dir):

@@ -194,9 +194,8 @@ def parse_args(cls, limits):
         )
     restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
     if restarted and not args.resume:
-        args.resume = (
-            "latest"  # torchrun --max-restarts restarted the group: carry on where it stopped
-        )
+        # torchrun --max-restarts restarted the group: carry on where it stopped
+        args.resume = "latest"
     return args
 
 
@@ -294,11 +293,29 @@ def global_sums(local, device):
     return dict(zip(names, stacked.tolist()))
 
 
-def global_max(value, device):
-    """Collective: the largest of every rank's `value` (a number or 0-d tensor), as a float."""
-    tensor = torch.as_tensor(value, dtype=torch.float32).to(device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)  # the worst rank is the one to report
-    return tensor.item()
+def global_maxima(local, device):
+    """Collective: {name: the largest over ranks} of this rank's {name: number}, in one
+    all_reduce (float32)."""
+    names = list(local)
+    values = [torch.as_tensor(local[name], dtype=torch.float32).to(device) for name in names]
+    stacked = torch.stack(values)
+    dist.all_reduce(stacked, op=dist.ReduceOp.MAX)  # the worst rank is the one to report
+    return dict(zip(names, stacked.tolist()))
+
+
+class Stopwatch:
+    """Wall time of a loop's consecutive phases, each under the name it is logged as:
+    `lap("time/rollout_s")` as a phase ends. On a GPU a lap ends where the host is; kernels still
+    queued count in a later phase."""
+
+    def __init__(self):
+        self.times = {}
+        self.last = time.time()
+
+    def lap(self, name):
+        now = time.time()
+        self.times[name] = now - self.last
+        self.last = now
 
 
 def weights_fingerprint(model, device):
@@ -928,19 +945,17 @@ def classifier_class(config, cls):
     from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
-    mapping, generic = {
-        AutoModelForTokenClassification: (
-            MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING,
-            GenericForTokenClassification,
-        ),
-        AutoModelForSequenceClassification: (
-            MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
-            GenericForSequenceClassification,
-        ),
-    }.get(cls, (None, None))
     family = type(config)
-    if generic is None or family not in MODEL_MAPPING:
-        return cls  # not a classifier, or transformers' own error for a family it does not know
+    if cls is AutoModelForTokenClassification:
+        mapping = MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING
+        generic = GenericForTokenClassification
+    elif cls is AutoModelForSequenceClassification:
+        mapping = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+        generic = GenericForSequenceClassification
+    else:
+        return cls  # not a classifier
+    if family not in MODEL_MAPPING:
+        return cls  # a family transformers does not know: its own error, from cls
     if family in mapping:
         return mapping[family]  # the family's own: LlamaForTokenClassification
     base = MODEL_MAPPING[family]  # e.g. Olmo2Model, whose first parent is Olmo2PreTrainedModel
@@ -994,6 +1009,49 @@ def value_head(model):
     raise SystemExit(
         f"error: {type(model).__name__} has no `score` or `classifier` head to use as a value head"
     )
+
+
+def right_padded(sequences, pad_id):
+    """Right-padded input_ids and attention_mask, both [B, T], from token-id lists [B][len]."""
+    T = max(len(ids) for ids in sequences)
+    input_ids = [ids + [pad_id] * (T - len(ids)) for ids in sequences]
+    attention_mask = [[1] * len(ids) + [0] * (T - len(ids)) for ids in sequences]
+    return torch.tensor(input_ids), torch.tensor(attention_mask)
+
+
+def last_token_scores(per_token, attention_mask):
+    """A reward model's score, the head's output at each sequence's last real token [N RM #1]:
+    per_token [B, T] -> [B]. The position comes from the attention mask, never from token ids
+    (PAD may equal EOS, or be missing): the last column where the mask is 1, so right and left
+    padding both work."""
+    T = attention_mask.shape[1]
+    last = T - 1 - attention_mask.flip(1).argmax(1)  # argmax: the first 1 from the right  [B]
+    return per_token[torch.arange(len(last)), last]
+
+
+def sequence_scores(model, sequences, pad_id, device):
+    """r(x, y) of each token-id list [B] -> [B] (float32): the reward model as train_rm.py trains
+    it and as train_ppo.py scores with it. One forward of the right-padded batch (collective: a
+    sharded model), the head's per-token outputs captured with a forward hook (transformers' own
+    pooling finds the last token by its id, not its position), read at the last real token."""
+    input_ids, attention_mask = right_padded(sequences, pad_id)
+    head_outputs = []
+
+    def keep(module, inputs, output):
+        head_outputs.append(output)  # [B, T, 1], in the autograd graph when training
+
+    hook = value_head(model).register_forward_hook(keep)
+    try:
+        # use_cache=False: no KV cache in a scoring forward (cf. checkpoint_activations)
+        model(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            use_cache=False,
+        )
+    finally:
+        hook.remove()
+    per_token = head_outputs[0][..., 0].float()  # [B, T]
+    return last_token_scores(per_token, attention_mask.to(device))
 
 
 def stop_token_ids(tok, generation_config):

@@ -520,6 +520,7 @@ def sync_weights(engine, model):
             full = {}
             for name, tensor in unit:
                 if isinstance(tensor, DTensor):
+                    # all-gather: every rank needs the whole tensor for its own engine
                     tensor = tensor.full_tensor()
                 full[name] = tensor.detach()
             if engine.folder_names:

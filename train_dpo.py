@@ -100,6 +100,17 @@ LIMITS = {
 }
 
 
+def check_loss_flags(args):
+    """The flags that depend on each other, checked before any model loads (one line each)."""
+    if args.loss_type == "ipo" and args.label_smoothing:
+        raise SystemExit("error: --label_smoothing applies to --loss_type sigmoid only, not ipo")
+    if args.label_smoothing >= 0.5:
+        raise SystemExit(
+            f"error: --label_smoothing {args.label_smoothing}: must be below 0.5 (at 0.5 the "
+            f"loss no longer prefers either response)"
+        )
+
+
 # ---- the math ----------------------------------------------------------------------------------
 def encode_pairs(tok, rows, max_len, source):
     """[((chosen ids, n_prompt), (rejected ids, n_prompt))] of {"prompt", "chosen", "rejected"}
@@ -264,16 +275,6 @@ def train_step(args, model, reference, optim, sched, mine, pad_id, device):
     metrics["train/lr"] = lr
     metrics["train/grad_norm"] = grad_norm.item()
     return metrics
-
-
-def check_loss_flags(args):
-    if args.loss_type == "ipo" and args.label_smoothing:
-        raise SystemExit("error: --label_smoothing applies to --loss_type sigmoid only, not ipo")
-    if args.label_smoothing >= 0.5:
-        raise SystemExit(
-            f"error: --label_smoothing {args.label_smoothing}: must be below 0.5 (at 0.5 the "
-            f"loss no longer prefers either response)"
-        )
 
 
 def main(args):

@@ -1,10 +1,11 @@
 """PPO for language models: actor, critic, frozen reference, reward; GAE, clipped losses, KL.
 
 Stage 3 of RLHF (Ziegler et al. 2019; Ouyang et al. 2022) with the details of Huang et al. 2023,
-"The N Implementation Details of RLHF with PPO" ([N section #item] at each use). PPO: Schulman et
-al. 2017, eq. 7; GAE: Schulman et al. 2016, eq. 16. `--advantage_estimator grpo|rloo` drops the
-critic for group baselines over each prompt's samples (Shao et al. 2024, DeepSeekMath; Ahmadian et
-al. 2024, RLOO).
+"The N Implementation Details of RLHF with PPO" ([N section #item] at each use), and of Huang et
+al. 2022, "The 37 Implementation Details of Proximal Policy Optimization" ([37 section #item]).
+PPO: Schulman et al. 2017, eq. 7; GAE: Schulman et al. 2016, eq. 16. `--advantage_estimator
+grpo|rloo` drops the critic for group baselines over each prompt's samples (Shao et al. 2024,
+DeepSeekMath; Ahmadian et al. 2024, RLOO).
 
     torchrun --nproc_per_node=2 train_ppo.py --model runs/sft/hf --out_dir runs/ppo
     torchrun --nproc_per_node=2 train_ppo.py --model runs/sft/hf --out_dir runs/ppo --resume latest
@@ -24,7 +25,6 @@ import json
 import math
 import numbers
 import os
-import time
 import typing
 
 import torch
@@ -197,11 +197,12 @@ def masked_whiten(x, mask, shift_mean=True):
     x64 = x.double()
     mask64 = mask.double()
     sum_and_count = torch.stack([(x64 * mask64).sum(), mask64.sum()])
-    dist.all_reduce(sum_and_count)  # the global batch's sum and token count
-    mean = sum_and_count[0] / sum_and_count[1]
+    dist.all_reduce(sum_and_count)  # the global batch's sum and token count, in one collective
+    total, count = sum_and_count.unbind()
+    mean = total / count
     squared_deviations = (((x64 - mean) * mask64) ** 2).sum()
     dist.all_reduce(squared_deviations)  # summed over the global batch
-    var = squared_deviations / sum_and_count[1]
+    var = squared_deviations / count
     white = (x64 - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         white = white + mean
@@ -471,10 +472,15 @@ def build_models(args, device):
             common.checkpoint_activations(models.critic)
     # Every model stays in eval mode: dropout off, so the first ratio is exactly 1 and the KL is
     # reproducible [N policy #4]; gradients flow all the same.
-    # --offload_frozen: the reference and the reward model only (the last two).
-    for i, model in enumerate((actor, models.critic, ref, models.reward_model)):
+    # --offload_frozen: the reference and the reward model only, the models that never train.
+    trained_or_frozen = [
+        (actor, False),
+        (models.critic, False),
+        (ref, args.offload_frozen),
+        (models.reward_model, args.offload_frozen),
+    ]
+    for model, offload in trained_or_frozen:
         if model is not None:
-            offload = i >= 2 and args.offload_frozen
             common.shard_model(model.eval(), device, offload, args.reshard_after_forward)
     roles = {"actor": (actor, adamw(actor, args.lr))}
     if models.critic is not None:
@@ -789,29 +795,14 @@ def check_reward_context(where, context, sequences, prompt_texts):
 
 
 def reward_model_scores(reward_model, sequences, pad_id, micro_batch_size, device):
-    """The reward head's output at each sequence's last real token [B] [N RM #1], found from the
-    lengths: not from pad ids, which may equal EOS or be missing. Collective (a sharded forward).
-    Right padding; the head's per-token outputs are captured with a forward hook, as
-    transformers' own pooling looks for the last token that is not `pad_token_id`."""
-    head_outputs = []
-
-    def keep(module, inputs, output):
-        head_outputs.append(output)  # [b, T, 1]
-
-    hook = common.value_head(reward_model).register_forward_hook(keep)
+    """The reward model's score of each token-id list [B] -> [B] on the CPU, in micro-batches
+    (`common.sequence_scores`: the head's output at the last real token, found from the lengths,
+    not from pad ids, which may equal EOS or be missing; the same reading train_rm.py trains).
+    Collective (a sharded forward)."""
     scores = []
-    try:
-        for start in range(0, len(sequences), micro_batch_size):
-            chunk = sequences[start : start + micro_batch_size]
-            T = max(len(ids) for ids in chunk)
-            input_ids = torch.tensor([ids + [pad_id] * (T - len(ids)) for ids in chunk])
-            attention_mask = torch.tensor([[1] * len(ids) + [0] * (T - len(ids)) for ids in chunk])
-            reward_model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
-            per_token = head_outputs.pop()[..., 0]  # [b, T]
-            last = torch.tensor([len(ids) - 1 for ids in chunk], device=per_token.device)
-            scores.append(per_token[torch.arange(len(chunk)), last].float().cpu())
-    finally:
-        hook.remove()
+    for start in range(0, len(sequences), micro_batch_size):
+        chunk = sequences[start : start + micro_batch_size]
+        scores.append(common.sequence_scores(reward_model, chunk, pad_id, device).cpu())
     return torch.cat(scores)
 
 
@@ -969,8 +960,9 @@ def ppo_loss(args, models, exp, rows, n_tokens, kl_coef, fill_old):
 def ppo_update(args, models, roles, exp, kl_coef):
     """(5) --ppo_epochs passes over this rank's rollouts; each minibatch of --train_batch_size
     responses (over all ranks) is one optimizer step, with gradient accumulation over
-    micro-batches. Returns (this rank's statistics averaged over the optimizer steps, the largest
-    |ratio - 1| of the first micro-batch: 0 unless the old logprobs are off)."""
+    micro-batches. Returns (this rank's statistics averaged over the optimizer steps, its maxima:
+    "policy/first_ratio_dev", the largest |ratio - 1| of the first micro-batch, 0 unless the old
+    logprobs are off)."""
     world = dist.get_world_size()
     mask = exp.batch.response_mask
     n_rows = len(mask)
@@ -1003,7 +995,7 @@ def ppo_update(args, models, roles, exp, kl_coef):
             optimizer_step(roles, args.max_grad_norm)
             n_updates += 1
     averages = {name: total / n_updates for name, total in sums.items()}
-    return averages, first_ratio_dev
+    return averages, {"policy/first_ratio_dev": first_ratio_dev}
 
 
 def optimizer_step(roles, max_grad_norm):
@@ -1064,11 +1056,12 @@ def rollout_sums(raw_scores, gen, exp, gap, gold):
     return sums
 
 
-def iteration_metrics(update_stats, rollout_stats, device):
-    """The objective/*, policy/* and val/* metrics of one iteration, over all ranks.
+def iteration_metrics(update_stats, rollout_stats, maxima, device):
+    """The objective/*, policy/*, val/* and rollout/* metrics of one iteration, over all ranks;
+    maxima: {logged name: this rank's largest value}.
 
-    Collective: one all_reduce carries every sum. The update's losses were normalised by global
-    token counts, so their sums over ranks are the minibatch values."""
+    Collective: one all_reduce carries every sum, one every maximum. The update's losses were
+    normalised by global token counts, so their sums over ranks are the minibatch values."""
     totals = common.global_sums({**update_stats, **rollout_stats}, device)
     n = totals["responses"]
     metrics = {
@@ -1084,7 +1077,21 @@ def iteration_metrics(update_stats, rollout_stats, device):
         metrics["objective/gold_score"] = totals["gold_score"] / n
     for name in update_stats:
         metrics[name] = totals[name]
+    metrics.update(common.global_maxima(maxima, device))
     return metrics
+
+
+def warn_if_off_policy(args, step, metrics, device):
+    """A warning line when the engine's logprobs of the sampled tokens differ from the actor's by
+    more than --logprob_diff_warn on average: PPO then trains a policy other than the one that
+    sampled (a stale weight sync, an engine kernel that computes another model)."""
+    warn_above = logprob_diff_threshold(args.logprob_diff_warn, device)
+    if metrics["rollout/logprob_diff_mean"] > warn_above:
+        common.print0(
+            f"WARNING: step {step}: the engine's logprobs differ from the actor's by "
+            f"{metrics['rollout/logprob_diff_mean']:.3g} on average (--logprob_diff_warn "
+            f"{warn_above}): the policy trained is not the one that sampled"
+        )
 
 
 def write_samples(out_dir, step, prompts, raw_scores, gen, tok, n):
@@ -1185,7 +1192,7 @@ def main(args):
     step = start
     pbar = tqdm(total=args.max_steps, initial=start, disable=rank != 0, desc="ppo")
     for step in range(start + 1, args.max_steps + 1):
-        t0 = time.time()
+        clock = common.Stopwatch()
         idx, epoch = common.batch_indices(step - 1, len(train), args.rollout_batch_size, args.seed)
         positions = range(rank * per_rank, (rank + 1) * per_rank)  # mine, in the global batch
         prompts = [train[idx[j]] for j in positions]
@@ -1193,55 +1200,42 @@ def main(args):
         gen = generate(args, engine, prompts, step, positions)
         prompt_ids = [ids for ids, _ in prompts for _ in range(n)]  # [B], prompt-major
         prompt_texts = [text for _, text in prompts for _ in range(n)]
-        t1 = time.time()
+        clock.lap("time/rollout_s")
         # (2) Score; a response cut without EOS is penalised [N policy #5].
         raw_scores = score(args, tok, models, prompt_texts, gen.response_ids, gen.finished, device)
         scores = eos_penalized(raw_scores, gen.finished, args.missing_eos_penalty)
         gold = None  # the rule beside a learned reward: logged, never trained on
         if args.gold_reward_fn:
             gold = gold_scores(args, tok, prompt_texts, gen.response_ids)
-        t_scored = time.time()
+        clock.lap("time/score_s")  # reward function or model, gold scores
         # (3) Old and reference logprobs, values: in a random order, which the first PPO epoch
         # keeps (its first micro-batch then sees ratio == 1 exactly).
         order = torch.randperm(len(prompt_ids))
         exp = old_logprobs_and_values(
             args, models, tok, prompt_ids, gen.response_ids, order, device, from_update
         )
-        # (On a GPU these marks are where the host is: queued kernels count in a later phase.)
-        t_logprobs = time.time()
+        clock.lap("time/logprobs_s")  # old and reference logprobs, values
         # (4) Advantages: GAE over per-token rewards, or group baselines.
         scores = scores[order].to(device)
         compute_advantages(args, exp, scores, order.to(device), kl_coef)
-        t2 = time.time()
+        clock.lap("time/advantages_s")
         # (5) PPO epochs over shuffled minibatches.
-        update_stats, first_ratio_dev = ppo_update(args, models, roles, exp, kl_coef)
+        update_stats, update_maxima = ppo_update(args, models, roles, exp, kl_coef)
         gap = logprob_gap(exp, gen.logprobs, order)  # [B, R]: engine vs actor, every token
         lr = scheds["actor"].get_last_lr()[0]  # the actor's rate this iteration trained at
         for sched in scheds.values():
             sched.step()
-        t3 = time.time()
+        clock.lap("time/train_s")
         # (6) Push the new actor weights into the engine.
         rollout.sync_weights(engine, models.actor)
-        t4 = time.time()
+        clock.lap("time/sync_s")
 
         sums = rollout_sums(raw_scores, gen, exp, gap, gold)
-        metrics = iteration_metrics(update_stats, sums, device)
-        metrics["rollout/logprob_diff_max"] = common.global_max(gap.max(), device)
-        warn_above = logprob_diff_threshold(args.logprob_diff_warn, device)
-        if metrics["rollout/logprob_diff_mean"] > warn_above:
-            common.print0(
-                f"WARNING: step {step}: the engine's logprobs differ from the actor's by "
-                f"{metrics['rollout/logprob_diff_mean']:.3g} on average (--logprob_diff_warn "
-                f"{warn_above}): the policy trained is not the one that sampled"
-            )
+        maxima = {"rollout/logprob_diff_max": gap.max(), **update_maxima}
+        metrics = iteration_metrics(update_stats, sums, maxima, device)
+        warn_if_off_policy(args, step, metrics, device)
+        metrics.update(clock.times)
         metrics["objective/kl_coef"] = kl_coef
-        metrics["policy/first_ratio_dev"] = common.global_max(first_ratio_dev, device)
-        metrics["time/rollout_s"] = t1 - t0
-        metrics["time/score_s"] = t_scored - t1  # reward function or model, gold scores
-        metrics["time/logprobs_s"] = t_logprobs - t_scored  # old and reference logprobs, values
-        metrics["time/advantages_s"] = t2 - t_logprobs
-        metrics["time/train_s"] = t3 - t2
-        metrics["time/sync_s"] = t4 - t3
         metrics["train/epoch"] = epoch
         metrics["train/lr"] = lr
         if args.target_kl > 0:

@@ -1,11 +1,13 @@
 """Reward-model training: a Bradley–Terry loss on pairs of a chosen and a rejected response.
 
 Stage 2 of RLHF (Stiennon et al. 2020, "Learning to summarize from human feedback", eq. 1; Ouyang
-et al. 2022, eq. 1): a scalar score r(x, y), trained so that the chosen response of a pair scores
-above the rejected one, which PPO (`train_ppo.py --reward_model`) then maximises. The model is the
-SFT export (or any causal LM folder) as an `AutoModelForSequenceClassification` with one output;
-its score is the head's output at the last real token of the sequence. FSDP2 and checkpoints as in
-train_sft.py: bitwise-exact resume, preemption, faults.
+et al. 2022, eq. 1; the reward-model details of Huang et al. 2023, "The N Implementation Details
+of RLHF with PPO", [N RM #item] at each use): a scalar score r(x, y), trained so that the chosen
+response of a pair scores above the rejected one, which PPO (`train_ppo.py --reward_model`) then
+maximises. The model is the SFT export (or any causal LM folder) as an
+`AutoModelForSequenceClassification` with one output; its score is the head's output at the last
+real token of the sequence. FSDP2 and checkpoints as in train_sft.py: bitwise-exact resume,
+preemption, faults.
 
 A response is encoded exactly as `train_ppo.py: reward_model_inputs` encodes a finished one: the
 prompt's tokens (through the chat template when the tokenizer has one), the response's tokens
@@ -18,9 +20,11 @@ PPO normalises the score with them.
     torchrun --nproc_per_node=2 train_rm.py --model runs/sft/hf --out_dir runs/rm [--resume latest]
     torchrun --nproc_per_node=8 train_rm.py --model my_sft --data pairs.jsonl --eval_data held.jsonl
 
-Reading order: `Args`; the math (`encode_pairs`, `collate`, `last_token_scores`,
-`bradley_terry_loss`); the phases (`pair_scores`, `train_step`, `evaluate`, `reward_stats`);
-`main`. The plumbing (process group, sharding, logging) is in common.py.
+Reading order: `Args`; the math (`encode_pairs`, `bradley_terry_loss`; the score, which PPO reads
+the same way, is `common.sequence_scores`, at the last real token: `common.last_token_scores`);
+the phases (`pair_scores`, `train_step`, `evaluate`, `reward_stats`); setup and the last step
+(`build_reward_model`, `record_reward_scale`); `main`. The plumbing (process group, sharding,
+logging) is in common.py.
 """
 
 import dataclasses
@@ -119,23 +123,6 @@ def encode_pairs(tok, rows, max_len, source):
     return [(chosen, rejected) for (chosen, _), (rejected, _) in pairs]
 
 
-def collate(sequences, pad_id):
-    """Right-padded input_ids and attention_mask, both [B, T], from token-id lists [B][len]."""
-    T = max(len(ids) for ids in sequences)
-    input_ids = [ids + [pad_id] * (T - len(ids)) for ids in sequences]
-    attention_mask = [[1] * len(ids) + [0] * (T - len(ids)) for ids in sequences]
-    return torch.tensor(input_ids), torch.tensor(attention_mask)
-
-
-def last_token_scores(per_token, attention_mask):
-    """The head's output at each sequence's last real token [N23 RM #1]: per_token [B, T] ->
-    [B]. The position comes from the attention mask, never from token ids (PAD may equal EOS, or
-    be missing): the last column where the mask is 1, so right and left padding both work."""
-    T = attention_mask.shape[1]
-    last = T - 1 - attention_mask.flip(1).argmax(1)  # argmax: the first 1 from the right  [B]
-    return per_token[torch.arange(len(last)), last]
-
-
 def bradley_terry_loss(r_chosen, r_rejected, margin, n_pairs):
     """-log sigmoid(r(x, y_c) - r(x, y_r) - margin), summed over this micro-batch's pairs and
     divided by n_pairs, the pairs of the whole global batch (Stiennon et al. 2020, eq. 1; Ouyang
@@ -144,7 +131,7 @@ def bradley_terry_loss(r_chosen, r_rejected, margin, n_pairs):
 
 
 def init_reward_head(head, seed):
-    """A fresh reward head: weights N(0, 1/sqrt(d_model + 1)), bias 0 [N23 RM #2], drawn from a
+    """A fresh reward head: weights N(0, 1/sqrt(d_model + 1)), bias 0 [N RM #2], drawn from a
     generator of its own, so every rank (and a resumed run) starts from the same head."""
     generator = torch.Generator().manual_seed(seed)
     d_model = head.weight.shape[1]
@@ -179,36 +166,12 @@ def load_data(args, tok, max_len):
     return train, held_out
 
 
-def sequence_scores(model, sequences, pad_id, device):
-    """r(x, y) of each token-id list [B] -> [B]: one forward (collective: a sharded model), the
-    head's per-token outputs captured with a forward hook (transformers' own pooling finds the
-    last token by its id, not its position), read at the last real token."""
-    input_ids, attention_mask = collate(sequences, pad_id)
-    head_outputs = []
-
-    def keep(module, inputs, output):
-        head_outputs.append(output)  # [B, T, 1], in the autograd graph
-
-    hook = common.value_head(model).register_forward_hook(keep)
-    try:
-        # use_cache=False: no KV cache in a training forward (cf. common.checkpoint_activations)
-        model(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            use_cache=False,
-        )
-    finally:
-        hook.remove()
-    per_token = head_outputs[0][..., 0].float()  # [B, T]
-    return last_token_scores(per_token, attention_mask.to(device))
-
-
 def pair_scores(model, pairs, pad_id, device):
     """(r_chosen [b], r_rejected [b]) of pairs [(chosen ids, rejected ids)]: both responses of a
     pair in one forward, so a pair is never split across micro-batches or ranks."""
     chosen = [c for c, _ in pairs]
     rejected = [r for _, r in pairs]
-    scores = sequence_scores(model, chosen + rejected, pad_id, device)  # [2b]
+    scores = common.sequence_scores(model, chosen + rejected, pad_id, device)  # [2b]
     return scores[: len(pairs)], scores[len(pairs) :]
 
 
@@ -274,12 +237,14 @@ def evaluate(model, pairs, pad_id, batch_size, device):
 def reward_stats(model, sequences, pad_id, batch_size, device):
     """(mean, std) of r over `sequences` (chosen responses of the training data): what PPO
     subtracts and divides by, so that a --kl_coef means the same for any reward model (the
-    normalisation of Ziegler et al. 2019 and Stiennon et al. 2020 [N23 RM #3]). Two passes, like
+    normalisation of Ziegler et al. 2019 and Stiennon et al. 2020 [N RM #3]). Two passes, like
     train_ppo.py's whitening. Collective: every rank scores an equal share."""
     mine, counted = common.eval_share(sequences)
     scores = []
     for start in range(0, len(mine), batch_size):
-        scores.append(sequence_scores(model, mine[start : start + batch_size], pad_id, device))
+        scores.append(
+            common.sequence_scores(model, mine[start : start + batch_size], pad_id, device)
+        )
     r = torch.cat(scores)[:counted].double()  # [counted]
     totals = common.global_sums({"sum": r.sum(), "n": counted}, device)  # the global mean first
     mean = totals["sum"] / totals["n"]
@@ -287,13 +252,9 @@ def reward_stats(model, sequences, pad_id, batch_size, device):
     return mean, math.sqrt(squares["sq"] / totals["n"])
 
 
-def main(args):
-    rank, world, device = common.init_distributed(args.seed, args.timeout_minutes)
-    os.makedirs(common.local_dir(args), exist_ok=True)
-    common.check_batch_sizes(args, world)
-    per_rank = args.train_batch_size // world
-    metrics_log = common.MetricsLog(common.local_dir(args), args.tensorboard, args.out_dir)
-
+def build_reward_model(args):
+    """(model, tok): --model as a sequence classifier with one output, its head fresh (from a
+    causal LM) or its own (a reward model trained further), in eval mode."""
     model, tok = common.load_model_and_tokenizer(
         args.model,
         AutoModelForSequenceClassification,
@@ -320,6 +281,29 @@ def main(args):
     # of thinned networks instead, whose scale differs (a model of a family without dropout, as
     # Llama and Qwen ship, trains the same either way).
     model.eval()
+    return model, tok
+
+
+def record_reward_scale(args, model, train, pad_id, device):
+    """The reward's mean and std over the chosen responses of the first --norm_samples training
+    pairs (`reward_stats`), written into the model's config for PPO's normalisation: in the last
+    checkpoint's config, and so in the export. Returns them as metrics."""
+    first = train[: args.norm_samples]
+    chosen = [c for c, _ in first]
+    mean, std = reward_stats(model, chosen, pad_id, args.micro_batch_size, device)
+    model.config.reward_mean = mean
+    model.config.reward_std = std
+    return {"train/reward_mean": mean, "train/reward_std": std}
+
+
+def main(args):
+    rank, world, device = common.init_distributed(args.seed, args.timeout_minutes)
+    os.makedirs(common.local_dir(args), exist_ok=True)
+    common.check_batch_sizes(args, world)
+    per_rank = args.train_batch_size // world
+    metrics_log = common.MetricsLog(common.local_dir(args), args.tensorboard, args.out_dir)
+
+    model, tok = build_reward_model(args)
     train, held_out = load_data(args, tok, common.context_length(args.model, model.config))
     if args.gradient_checkpointing:
         common.checkpoint_activations(model)
@@ -364,15 +348,7 @@ def main(args):
             metrics.update(evaluate(model, held_out, tok.pad_token_id, batch, device))
             common.print0(f"step {step}: held-out pair accuracy {metrics['eval/accuracy']:.3f}")
         if step == args.max_steps:
-            # The reward's scale over chosen responses, for PPO's normalisation: in the last
-            # checkpoint's config, and so in the export.
-            first = train[: args.norm_samples]
-            chosen = [c for c, _ in first]
-            mean, std = reward_stats(model, chosen, tok.pad_token_id, batch, device)
-            model.config.reward_mean = mean
-            model.config.reward_std = std
-            metrics["train/reward_mean"] = mean
-            metrics["train/reward_std"] = std
+            metrics.update(record_reward_scale(args, model, train, tok.pad_token_id, device))
         metrics_log.log(metrics, step)
         pbar.update(1)
         pbar.set_postfix(loss=f"{metrics['train/loss']:.4f}")

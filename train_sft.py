@@ -133,6 +133,11 @@ def sft_loss(logits, labels, n_tokens):
     return loss_sum / n_tokens
 
 
+def batch_tokens(examples):
+    """The number of response tokens (loss targets) in [(input_ids, n_prompt)]."""
+    return sum(len(ids) - n_prompt for ids, n_prompt in examples)
+
+
 # ---- the phases --------------------------------------------------------------------------------
 def load_data(args, tok, max_len):
     """(training examples as (input_ids, n_prompt), held-out {"prompt", "response"} rows)."""
@@ -208,11 +213,6 @@ def train_step(args, model, optim, sched, mine, n_tokens, pad_id, device):
         "time/forward_backward_s": t1 - t0,
         "time/optimizer_s": time.time() - t1,  # clipping, AdamW, the logged loss's all-reduce
     }
-
-
-def batch_tokens(examples):
-    """The number of response tokens (loss targets) in [(input_ids, n_prompt)]."""
-    return sum(len(ids) - n_prompt for ids, n_prompt in examples)
 
 
 def main(args):

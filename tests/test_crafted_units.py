@@ -393,9 +393,9 @@ def test_a_latest_the_store_fails_to_read_stops_the_start(monkeypatch):
 
     monkeypatch.setattr(objstore, "read_bytes", failing)
     monkeypatch.setitem(checkpoint._run, "lock", (url, None))  # this process holds the lock
-    paths, error, run_id = checkpoint._start_store(url, "latest")
-    assert paths == [] and run_id is None
-    assert "ReadTimeoutError" in error and "latest" in error
+    plan = checkpoint._start_store(url, "latest")
+    assert plan["candidates"] == [] and "run_id" not in plan
+    assert "ReadTimeoutError" in plan["error"] and "latest" in plan["error"]
 
 
 def test_oversized_latest_and_lock_on_a_store_are_no_outage():

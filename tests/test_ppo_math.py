@@ -232,8 +232,8 @@ def test_old_logprobs_from_the_update_change_nothing():
         )
         assert (exp.old_logprobs is None) == from_update
         ppo.compute_advantages(args, exp, scores[order], order, 0.0)
-        stats, first_ratio_dev = ppo.ppo_update(args, models, roles, exp, 0.0)
-        assert first_ratio_dev == 0.0
+        stats, maxima = ppo.ppo_update(args, models, roles, exp, 0.0)
+        assert maxima == {"policy/first_ratio_dev": 0.0}
         results.append((exp.old_logprobs, stats, list(model.parameters())))
     (old_a, stats_a, params_a), (old_b, stats_b, params_b) = results
     assert torch.equal(old_a, old_b)

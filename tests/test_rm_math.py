@@ -1,11 +1,12 @@
-"""train_rm.py's math by hand (score position, Bradley-Terry loss, encoding), PPO's score
-normalisation, and the embedded preference pairs (task.make_pairs)."""
+"""The reward model's math by hand (score position: `common.last_token_scores`; Bradley-Terry
+loss, encoding), PPO's score normalisation, and the embedded preference pairs (task.make_pairs)."""
 
 import math
 
 import pytest
 import torch
 
+import common
 import task
 import train_ppo
 import train_rm
@@ -15,22 +16,22 @@ def test_score_is_read_at_the_last_real_token_right_padding():
     # two sequences of different lengths (a pair whose responses differ in length), right-padded
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
     per_token = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0, 9.0]])
-    assert train_rm.last_token_scores(per_token, mask).tolist() == [4.0, 7.0]
+    assert common.last_token_scores(per_token, mask).tolist() == [4.0, 7.0]
 
 
 def test_score_is_read_at_the_last_real_token_left_padding():
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     per_token = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0, 9.0]])
-    assert train_rm.last_token_scores(per_token, mask).tolist() == [4.0, 9.0]
+    assert common.last_token_scores(per_token, mask).tolist() == [4.0, 9.0]
 
 
 def test_collate_right_pads_and_the_score_follows_the_mask_not_the_ids():
     # PAD equal to EOS (2): the mask, not the ids, says where each sequence ends
-    input_ids, mask = train_rm.collate([[1, 5, 2], [1, 5, 6, 7, 2]], pad_id=2)
+    input_ids, mask = common.right_padded([[1, 5, 2], [1, 5, 6, 7, 2]], pad_id=2)
     assert input_ids.tolist() == [[1, 5, 2, 2, 2], [1, 5, 6, 7, 2]]
     assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
     per_token = input_ids.float() * 10 + torch.arange(5)  # distinct values per position
-    assert train_rm.last_token_scores(per_token, mask).tolist() == [22.0, 24.0]
+    assert common.last_token_scores(per_token, mask).tolist() == [22.0, 24.0]
 
 
 def test_bradley_terry_loss_by_hand():

@@ -79,22 +79,34 @@ def is_sliced(node):
     return isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice)
 
 
+def is_mutating_call(node):
+    """A call that changes something: a known mutator, an in-place tensor method (`zero_`,
+    `clamp_`: a name ending in one underscore), print/exec/setattr, or any torch.distributed
+    call (`dist.all_reduce`: a collective)."""
+    name = called_name(node)
+    if name is None:
+        return False
+    in_place = name.endswith("_") and not name.startswith("__")
+    func = node.func
+    collective = isinstance(func, ast.Attribute) and ast.unparse(func.value) == "dist"
+    return name in MUTATORS or name in ("print", "exec", "setattr") or in_place or collective
+
+
 def comprehension_problems(node):
     problems = []
+    # elt: list/set/generator comprehensions; key and value: dict comprehensions; and the
+    # generators' `if` clauses, where a side effect hides as well as in the element
+    parts = [getattr(node, field, None) for field in ("elt", "key", "value")]
     for generator in node.generators:
         if isinstance(generator.iter, ast.IfExp) or is_sliced(generator.iter):
             problems.append("a comprehension over a conditional or sliced expression")
-    # elt: list/set/generator comprehensions; key and value: dict comprehensions
-    elements = [getattr(node, field, None) for field in ("elt", "key", "value")]
-    for element in elements:
-        if element is None:
+        parts.extend(generator.ifs)
+    for part in parts:
+        if part is None:
             continue
-        for inner in ast.walk(element):
-            name = None
-            if isinstance(inner, ast.Call):
-                name = called_name(inner)
-            if name in MUTATORS or name in ("print", "exec", "setattr"):
-                problems.append(f"a side effect ({name}) inside a comprehension")
+        for inner in ast.walk(part):
+            if isinstance(inner, ast.Call) and is_mutating_call(inner):
+                problems.append(f"a side effect ({called_name(inner)}) inside a comprehension")
     return problems
 
 
@@ -110,10 +122,27 @@ def statement_problems(node):
         if isinstance(node.value, comprehensions):
             problems.append("a comprehension used for its side effects")
     if isinstance(node, ast.Assign):
-        packed = isinstance(node.value, ast.Tuple) and len(node.value.elts) > 1
-        if packed and any(isinstance(t, ast.Tuple) for t in node.targets):
+        sequences = (ast.Tuple, ast.List)
+        packed = isinstance(node.value, sequences) and len(node.value.elts) > 1
+        if packed and any(isinstance(t, sequences) for t in node.targets):
             problems.append("unrelated values sharing one assignment (a, b = x, y)")
+        if len(node.targets) > 1:
+            problems.append("one value for several names (a = b = x)")
     return problems
+
+
+def nested_conditional(node):
+    """An IfExp anywhere inside another IfExp (`f(1 if a else 2) if b else 3` too)."""
+    children = [n for n in ast.walk(node) if n is not node]
+    return any(isinstance(child, ast.IfExp) for child in children)
+
+
+def function_length(node):
+    """Lines from the first decorator (they are the function's too) to the end."""
+    first = node.lineno
+    if node.decorator_list:
+        first = node.decorator_list[0].lineno
+    return node.end_lineno - first + 1
 
 
 def style_problems(path, check_length):
@@ -124,15 +153,13 @@ def style_problems(path, check_length):
         found = statement_problems(node)
         if isinstance(node, ast.NamedExpr):
             found.append("a walrus operator")
-        if isinstance(node, ast.IfExp):
-            branches = (node.test, node.body, node.orelse)
-            if any(isinstance(b, ast.IfExp) for b in branches):
-                found.append("a nested conditional expression")
+        if isinstance(node, ast.IfExp) and nested_conditional(node):
+            found.append("a nested conditional expression")
         if isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
             found.extend(comprehension_problems(node))
         is_function = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
         if check_length and is_function and node.name != "main":
-            length = node.end_lineno - node.lineno + 1
+            length = function_length(node)
             if length > MAX_HELPER_LINES:
                 found.append(f"{node.name}() is {length} lines (helpers: <= {MAX_HELPER_LINES})")
         for what in found:
@@ -160,6 +187,16 @@ def test_the_style_checker_catches_each_trick(tmp_path):
         "random.seed(1), np.random.seed(1)\n": "packed into one statement",
         "start, path = 0, resolve()\n": "one assignment",
         "def f():\n" + "    x = 1\n" * 50: "helpers",
+        # the gaps a style audit found (2026-11-25), each a trick the checks above let through
+        "ys = [x for x in xs if seen.add(x) is None]\n": "side effect (add)",
+        "ys = [t.zero_() for t in ts]\n": "side effect (zero_)",
+        "ys = [dist.all_reduce(t) for t in ts]\n": "side effect (all_reduce)",
+        "x = f(1 if a else 2) if b else 3\n": "nested conditional",
+        "x = (1 if a else 2) + 1 if b else 3\n": "nested conditional",
+        "a, b = [0, []]\n": "one assignment",
+        "[a, b] = 0, []\n": "one assignment",
+        "a = b = []\n": "several names",
+        "@decorator\n@decorator\ndef f():\n" + "    x = 1\n" * 48: "helpers",
     }
     for i, (source, needle) in enumerate(tricks.items()):
         path = tmp_path / f"trick{i}.py"
@@ -176,6 +213,8 @@ def test_plain_code_passes_the_style_checker(tmp_path):
         "for x in range(3):\n"
         "    ys = [y * 2 for y in xs if y]\n"
         "    first = xs[:1]\n"
+        "total, count = sum_and_count.unbind()\n"
+        "ys = [x.__len__() for x in xs]\n"
     )
     assert style_problems(str(path), check_length=True) == []
 
