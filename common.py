@@ -1,12 +1,15 @@
 """The plumbing every stage shares, so that the stage files can hold the algorithm and nothing else.
 
-What lives here: command-line arguments from a stage's `Args` dataclass, the process group and
-its signals, `print0` and the metrics log, the data helpers (JSONL, prompts, batch order), FSDP2
-sharding, model and tokenizer loading, the end-of-step checkpoint decision, and `run`, which turns a
-bad checkpoint or a failed collective into one line. What never lives here: losses, advantages,
-update rules, anything a reader of RLHF came to learn. Those are written out in the stage files
-(`train_sft.py`, `train_ppo.py`), next to the paper they come from, even where two stages look
-alike.
+What lives here: command-line arguments from a stage's `Args` dataclass (and the flags every
+stage has, `RunArgs`), the process group and its signals, `print0` and the metrics log, the data
+helpers (JSONL, prompts, preference pairs, batch order), FSDP2 sharding, model and tokenizer
+loading, the end-of-step checkpoint decision, and `run`, which turns a bad checkpoint or a failed
+collective into one line. Two things two stages must do identically live here too, so that they
+cannot drift apart: encoding a preference pair (`encode_pair`: the reward model and DPO train on
+what PPO generates) and reading a reward model's scalar from its head (`sequence_scores`: PPO must
+read it where train_rm.py trained it). What never lives here: losses, advantages, update rules,
+anything a reader of RLHF came to learn. Those are written out in the stage files (`train_sft.py`,
+`train_ppo.py`), next to the paper they come from, even where two stages look alike.
 (Anchor: nanochat's `nanochat/common.py`.)
 """
 
