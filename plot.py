@@ -20,6 +20,30 @@ KEYS = [
 ]
 
 
+def read_rows(path):
+    """metrics.jsonl's whole lines (a kill can cut the last one), each a JSON object with an
+    integer "step" and numbers for the keys plotted; anything else stops with one line naming
+    the file and line (a file edited by hand, or not a run's)."""
+    rows = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.endswith("}\n"):
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                sys.exit(f"error: {where}: not a JSON object ({e.msg})")
+            if not isinstance(row, dict) or type(row.get("step")) is not int:
+                sys.exit(f'error: {where}: expected a JSON object with an integer "step"')
+            for key in KEYS:
+                value = row.get(key, 0.0)
+                if type(value) not in (int, float):
+                    sys.exit(f"error: {where}: {key}: expected a number, got {value!r:.40}")
+            rows.append(row)
+    return rows
+
+
 def main(run_dir, out=None):
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
@@ -31,8 +55,7 @@ def main(run_dir, out=None):
         import matplotlib.pyplot as plt
     except ImportError:
         sys.exit("error: plot needs matplotlib: pip install matplotlib")
-    # whole lines only (a kill can cut the last line)
-    rows = [json.loads(line) for line in open(path) if line.endswith("}\n")]
+    rows = read_rows(path)
     keys = [k for k in KEYS if any(k in r for r in rows)]
     if not keys:
         sys.exit(f"error: {path}: none of {', '.join(KEYS)} logged yet")
@@ -51,6 +74,9 @@ def main(run_dir, out=None):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(__doc__)
+        sys.exit(0)
     if len(sys.argv) not in (2, 3):
         sys.exit("usage: python plot.py RUN_DIR [OUT.png]")
     main(*sys.argv[1:])

@@ -32,3 +32,27 @@ def test_tensorboard_events_match_metrics_jsonl_and_plot_draws_them(tmp_path):
     missing = tmp_path / "nothing-here" / "metrics.jsonl"
     expected = f"error: {missing}: no such file (expected a run's --out_dir)"
     assert p.returncode != 0 and p.stderr.strip() == expected
+
+
+def test_plot_help_and_crafted_metrics_lines_are_one_line(tmp_path):
+    """`plot.py --help` took --help for a run folder; a line that is not a metrics row (edited by
+    hand, or another file) was a json or matplotlib traceback. Each is one line now, naming the
+    file and line."""
+    p = run_py("plot.py", "--help")
+    assert p.returncode == 0 and "./launch.sh plot runs/demo/ppo" in p.stdout, p.stdout
+    good = '{"step": 1, "train/loss": 0.5}\n'
+    cases = {
+        "{bad}\n": ":2: not a JSON object",
+        '{"step": "2"}\n': ':2: expected a JSON object with an integer "step"',
+        '{"step": 2, "train/loss": "x"}\n': ":2: train/loss: expected a number, got 'x'",
+        '{"step": 2, "eval/accuracy": true}\n': ":2: eval/accuracy: expected a number",
+    }
+    for line, needle in cases.items():
+        (tmp_path / "metrics.jsonl").write_text(good + line)
+        p = run_py("plot.py", tmp_path, tmp_path / "curves.png")
+        assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
+        assert p.stderr.startswith(f"error: {tmp_path / 'metrics.jsonl'}") and needle in p.stderr
+    # a last line cut by a kill is no error: the whole lines are drawn
+    (tmp_path / "metrics.jsonl").write_text(good + '{"step": 2, "train/lo')
+    p = run_py("plot.py", tmp_path, tmp_path / "curves.png")
+    assert p.returncode == 0, p.stderr
