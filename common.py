@@ -15,6 +15,7 @@ anything a reader of RLHF came to learn. Those are written out in the stage file
 
 import argparse
 import ast
+import contextlib
 import copy
 import dataclasses
 import datetime
@@ -22,6 +23,7 @@ import functools
 import gc
 import importlib.util
 import inspect
+import io
 import json
 import logging
 import math
@@ -1328,6 +1330,23 @@ def release_collectives(seconds=0.2):
     time.sleep(seconds)
 
 
+def parse_once_per_node(cls, limits):
+    """parse_args, whose --help and bad-flag line one rank per node prints (torchrun's LOCAL_RANK
+    0; the process group does not exist yet): every rank parses the same command line, and eight
+    copies of one line say no more than one. Per node, not per job: another node's environment (a
+    store client installed or not) may answer differently. The other ranks exit with the same
+    status, silently."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        return parse_args(cls, limits)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # --help's text
+            return parse_args(cls, limits)
+    except SystemExit as e:
+        if isinstance(e.code, str):  # the bad flag's line, which local rank 0 prints
+            raise SystemExit(1) from None
+        raise
+
+
 def run(main, cls, limits):
     """main(parse_args(cls, limits)); a bad flag, a bad checkpoint or a failed collective ends in
     one line naming them (`print_error`), and the exit status 1."""
@@ -1339,7 +1358,7 @@ def run(main, cls, limits):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
     try:
-        args = parse_args(cls, limits)
+        args = parse_once_per_node(cls, limits)
         quiet_console(args.verbose)
         main(args)
         release_collectives()

@@ -56,6 +56,17 @@ def test_errors_of_two_ranks_are_two_lines(tmp_path):
     assert lines == [f"error: {bad}:2: expected a string field 'prompt'"] * 2, lines
 
 
+def test_a_bad_flag_and_help_are_printed_once(tmp_path):
+    """Every rank parses the same command line, and each printed its own copy of a bad flag's
+    line and of --help; one rank per node prints them now (`common.parse_once_per_node`). An
+    error a rank meets in its own work is still its own line (the test above)."""
+    status, lines = launch("sft", "--out_dir", tmp_path / "out", "--lr", "inf")
+    assert status == 1 and lines == ["error: --lr inf: expected a finite number"], lines
+    status, lines = launch("sft", "--help")
+    usage = [line for line in lines if line.startswith("usage: train_sft.py")]
+    assert status == 0 and len(usage) == 1, lines
+
+
 def test_a_name_that_is_not_utf8_prints_under_a_strict_locale(tmp_path):
     """os.listdir gives such a name as surrogate escapes; printing it under a strict UTF-8
     stdout (a real en_US.UTF-8 locale) raised, and took a damaged checkpoint's fallback with it."""
