@@ -68,7 +68,8 @@ class RunArgs:
     """'latest' (newest checkpoint in out_dir that verifies; none yet: start fresh; none
     verifies: stop, changing nothing) or a checkpoint path; empty: start fresh"""
     keep_last: int = 2
-    """keep this many checkpoints; older ones are pruned after a new one is committed"""
+    """keep this many checkpoints; older ones are pruned after a new one is committed (0: keep
+    every checkpoint)"""
     save_every_minutes: float = 0.0
     """also save when this many minutes of wall time have passed since the last save (0: off)"""
     async_save: bool = False
