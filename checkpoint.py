@@ -1049,7 +1049,7 @@ def commit():
 
     def publish():
         if dist.get_rank() == 0 and objstore.is_url(root):
-            _publish_store(final, root, name, step)
+            _publish_store(final, root, name, step, dist.get_world_size())
         elif dist.get_rank() == 0:
             _publish(tmp, final, root, name, step, hashed)
 
@@ -1087,7 +1087,7 @@ def _publish(tmp, final, root, name, step, hashed):
     _durable(root)
 
 
-def _publish_store(final, root, name, step):
+def _publish_store(final, root, name, step, world):
     """Rank 0, on a store: every object's size and sha256 (read back: what the store holds), the
     manifest written last (the commit), then the `latest` object replaced (one PUT)."""
     files = {}
@@ -1096,9 +1096,27 @@ def _publish_store(final, root, name, step):
             raise CheckpointError(f"{final}: holds a manifest already; another run writes here")
         seen, digest = objstore.sha256(os.path.join(final, rel), size)
         files[rel] = {"size": seen, "sha256": digest}
+    _check_every_rank_listed(final, files, world)
     manifest = {"step": step, "files": files}
     objstore.write_bytes(os.path.join(final, "manifest.json"), json.dumps(manifest).encode())
     objstore.write_bytes(os.path.join(root, "latest"), (name + "\n").encode())
+
+
+def _check_every_rank_listed(final, files, world):
+    """Rank 0, before a store's commit: what rank 0 lists holds every rank's RNG file and every
+    DCP shard the metadata names. A store whose listing lags behind other clients' writes, or one
+    that is not shared (memory://, each process's own), would otherwise get a manifest, and a
+    `latest`, naming a checkpoint that cannot be resumed."""
+    for rank in range(world):
+        if f"rng-rank{rank}.json" not in files:
+            raise CheckpointError(
+                f"{final}/rng-rank{rank}.json: rank {rank} wrote it, but the store does not list "
+                f"it; every rank must write to one shared store"
+            )
+    sizes = {
+        rel[len("dcp/") :]: want["size"] for rel, want in files.items() if rel.startswith("dcp/")
+    }
+    _SafeStoreReader(os.path.join(final, "dcp"), sizes).read_metadata()  # each shard listed
 
 
 def _prune(root, step, keep_last):
@@ -1219,6 +1237,13 @@ def _start_store(out_dir, resume):
     """_start() on a store: the lock object, unfinished saves deleted, the checkpoints to try."""
     root = os.path.join(out_dir, "checkpoints")
     run_id = uuid.uuid4().hex[:8]
+    world = 1
+    if dist.is_initialized():
+        world = dist.get_world_size()
+    if out_dir.startswith("memory://") and world > 1:
+        # fsspec's memory store lives in one process: the other ranks' objects would not be there
+        error = f"{out_dir}: memory:// is one process's memory; {world} ranks need a store"
+        return {"candidates": [], "error": f"{error} they all reach (s3://...)"}
     try:
         if _run.get("lock", (None,))[0] != out_dir:  # this process took it already
             objstore.take_lock(out_dir, run_id)

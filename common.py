@@ -169,10 +169,29 @@ def build_parser(cls):
         group = own
         if f.name in shared_names:
             group = shared
+        default = f.default
+        if f.name in DATA_FLAGS:
+            kind = data_path
+            default = None  # not given: parse_args puts back the field's '' (the embedded task)
         group.add_argument(
-            f"--{f.name}", type=kind, choices=choices, default=f.default, help=help_text
+            f"--{f.name}", type=kind, choices=choices, default=default, help=help_text
         )
     return parser
+
+
+# The flags whose '' (their default) means the embedded task's data: given as '' on the command
+# line (`--data "$DATA"` with DATA unset) they are refused, not read as "train on the embedded
+# task".
+DATA_FLAGS = ("data", "eval_data")
+
+
+def data_path(value):
+    """argparse's type of DATA_FLAGS: a path, not ''."""
+    if not value:
+        raise argparse.ArgumentTypeError(
+            "expected a JSONL file, got '' (leave the flag out for the embedded task's data)"
+        )
+    return value
 
 
 def parse_args(cls, limits):
@@ -180,7 +199,8 @@ def parse_args(cls, limits):
     against `limits` and RUN_LIMITS (`check_limits`): bad flags stop here, before any work, with
     one line naming the flag."""
     parser = build_parser(cls)
-    args = cls(**vars(parser.parse_args()))
+    given = {name: value for name, value in vars(parser.parse_args()).items() if value is not None}
+    args = cls(**given)
     if not args.out_dir:
         raise SystemExit("error: --out_dir: expected a folder or a store URL, got ''")
     for flag in ("out_dir", "resume"):
@@ -448,11 +468,21 @@ def unique_keys(pairs):
 
 
 def load_jsonl(path, fields):
-    """The rows of a JSONL file, each an object with string `fields`; errors name file and line."""
+    """[(where, row)]: the rows of a JSONL file, each an object with string `fields`, and its
+    `file:line` for the errors found later (a blank line is skipped, so a row's index is not its
+    line); errors found here name file and line too."""
     if os.path.exists(path) and not os.path.isfile(path):
         raise SystemExit(f"error: {path}: not a file (a folder or a device); expected JSONL")
     if not os.path.isfile(path):
         raise SystemExit(f"error: {path}: no such file")
+    try:
+        return _read_jsonl(path, fields)
+    except OSError as e:  # a disk or network read error carries no file name of its own
+        raise SystemExit(f"error: {path}: {e.strerror or e}") from None
+
+
+def _read_jsonl(path, fields):
+    """load_jsonl's reading and checking."""
     rows = []
     for n, raw in enumerate(open(path, "rb"), 1):
         encoding = "utf-8"
@@ -480,10 +510,16 @@ def load_jsonl(path, fields):
                     f"error: {path}:{n}: field {field!r} holds a lone surrogate (an unpaired "
                     "\\uD800-\\uDFFF escape): not text"
                 ) from None
-        rows.append(row)
+        rows.append((f"{path}:{n}", row))
     if not rows:
         raise SystemExit(f"error: {path}: no examples")
     return rows
+
+
+def numbered(source, rows):
+    """[(where, row)] of rows made in memory (the embedded task's), as load_jsonl gives a file's:
+    `source:index`, counting from 1."""
+    return [(f"{source}:{i}", row) for i, row in enumerate(rows, 1)]
 
 
 @functools.cache
@@ -570,6 +606,11 @@ def encode_pair(tok, row, max_len, where):
                 f"context (max_position_embeddings {max_len})"
             )
         sequences.append((ids, len(prompt)))
+    if sequences[0] == sequences[1]:  # the loss is log 2 whatever the model: nothing to learn
+        raise SystemExit(
+            f"error: {where}: 'chosen' and 'rejected' are the same {len(sequences[0][0])} "
+            "tokens: the pair prefers neither (remove such pairs from the data)"
+        )
     return sequences[0], sequences[1]
 
 
@@ -627,23 +668,35 @@ def decode_budget(tok, examples):
     return 1 + max(len(tok(e["response"], add_special_tokens=False).input_ids) for e in examples)
 
 
-def check_held_out(tok, examples, max_len, source):
+def check_held_out(tok, examples, max_len):
     """Every held-out prompt leaves room in the model's context for greedy_accuracy's decoding
     (decode_budget): a model with learned positions (GPT-2) fails on the first position past it,
     one with rotary positions generates past what it was trained on. One line names the first
-    that does not fit, before any training."""
+    row that does not fit, before any training. examples: [(where, row)]."""
+    lengths = []
+    for where, example in examples:
+        # a response needs room for EOS and at least one prompt token; one far longer is
+        # refused before it is tokenised (`check_fits`)
+        check_fits(tok, example["response"], max_len - 2, where)
+        n_response = len(tok(example["response"], add_special_tokens=False).input_ids)
+        if n_response + 2 > max_len:
+            raise SystemExit(
+                f"error: {where}: a held-out response of {n_response} tokens leaves no room for "
+                f"its prompt and EOS in the model's context ({max_len})"
+            )
+        lengths.append(n_response)
     if not examples:
         return
-    budget = decode_budget(tok, examples)
-    for i, example in enumerate(examples):
-        where = f"{source}:{i + 1}"
+    longest = lengths.index(max(lengths))
+    budget = 1 + lengths[longest]  # as decode_budget counts it
+    for where, example in examples:
         check_fits(tok, example["prompt"], max(max_len - budget, 1), where)
         n_prompt = len(encode_prompt(tok, example["prompt"]))
         if n_prompt + budget > max_len:
             raise SystemExit(
                 f"error: {where}: the prompt's {n_prompt} tokens and the {budget} the held-out "
-                f"evaluation decodes (the longest response, EOS) exceed the model's context "
-                f"({max_len})"
+                f"evaluation decodes (EOS and the longest response, {examples[longest][0]}'s) "
+                f"exceed the model's context ({max_len})"
             )
 
 
@@ -1383,4 +1436,6 @@ def run(main, cls, limits):
         if line is None:
             raise
     print_error(line)
+    if dist.is_initialized():  # the same shutdown hazard as after a finished run
+        release_collectives()
     raise SystemExit(1)

@@ -112,14 +112,13 @@ def check_loss_flags(args):
 
 
 # ---- the math ----------------------------------------------------------------------------------
-def encode_pairs(tok, rows, max_len, source):
-    """[((chosen ids, n_prompt), (rejected ids, n_prompt))] of {"prompt", "chosen", "rejected"}
-    rows (`common.encode_pair`: the prompt, the response and its end, the end a response token, so
-    DPO also learns where to stop). A prompt must have a token: the response's first logprob is
-    predicted from the one before it."""
+def encode_pairs(tok, rows, max_len):
+    """[((chosen ids, n_prompt), (rejected ids, n_prompt))] of [(where, {"prompt", "chosen",
+    "rejected"})] rows (`common.encode_pair`: the prompt, the response and its end, the end a
+    response token, so DPO also learns where to stop). A prompt must have a token: the response's
+    first logprob is predicted from the one before it."""
     pairs = []
-    for i, row in enumerate(rows):
-        where = f"{source}:{i + 1}"
+    for where, row in rows:
         chosen, rejected = common.encode_pair(tok, row, max_len, where)
         ids, n_prompt = chosen
         common.check_prompt_ids(ids[:n_prompt], where)
@@ -193,23 +192,24 @@ def load_data(args, tok, max_len):
     if args.data:
         train = common.load_jsonl(args.data, ("prompt", "chosen", "rejected"))
     else:
-        train = task.make_pairs("train")
+        train = common.numbered("embedded task", task.make_pairs("train"))
     if args.eval_data:
         held_out = common.load_jsonl(args.eval_data, ("prompt", "response"))
     elif args.data:
         held_out = []  # a user's data has no held-out split unless --eval_data gives one
     else:
-        held_out = task.make_split("test")  # the prompts of task.make_pairs("test")
+        # the prompts of task.make_pairs("test")
+        held_out = common.numbered("embedded task", task.make_split("test"))
     source = args.data or "embedded task"
-    train = encode_pairs(tok, train, max_len, source)
+    train = encode_pairs(tok, train, max_len)
     if len(train) < args.train_batch_size:
         raise SystemExit(
             f"error: {source}: {len(train)} pairs, fewer than --train_batch_size "
             f"{args.train_batch_size}"
         )
     held_out = held_out[: args.eval_samples]
-    common.check_held_out(tok, held_out, max_len, args.eval_data or "embedded task")
-    return train, held_out
+    common.check_held_out(tok, held_out, max_len)
+    return train, [row for _, row in held_out]
 
 
 def pair_logprobs(model, pairs, pad_id, device):

@@ -585,21 +585,22 @@ def finite_number(value):
     return value
 
 
-def load_prompts(rows, tok, max_new_tokens, context, source):
-    """[(prompt token ids, prompt text)]; a prompt with no room for a response is an error."""
+def load_prompts(rows, tok, max_new_tokens, context):
+    """[(prompt token ids, prompt text)] of [(where, {"prompt"})] rows; a prompt with no room for
+    a response is an error naming its row."""
     if max_new_tokens >= context:  # no prompt fits: say so, not that the first prompt is long
         raise SystemExit(
             f"error: --max_new_tokens {max_new_tokens}: the model's context holds {context} "
             "tokens, prompt and response together"
         )
     items = []
-    for i, row in enumerate(rows):
-        common.check_fits(tok, row["prompt"], context - max_new_tokens, f"{source}:{i + 1}")
+    for where, row in rows:
+        common.check_fits(tok, row["prompt"], context - max_new_tokens, where)
         ids = common.encode_prompt(tok, row["prompt"])
-        common.check_prompt_ids(ids, f"{source}:{i + 1}")
+        common.check_prompt_ids(ids, where)
         if len(ids) + max_new_tokens > context:
             raise SystemExit(
-                f"error: {source}:{i + 1}: prompt of {len(ids)} tokens + --max_new_tokens "
+                f"error: {where}: prompt of {len(ids)} tokens + --max_new_tokens "
                 f"{max_new_tokens} exceeds the model's context ({context})"
             )
         items.append((ids, row["prompt"]))
@@ -611,21 +612,20 @@ def load_data(args, tok, context):
     if args.data:
         train_rows = common.load_jsonl(args.data, ("prompt",))
     else:
-        train_rows = task.make_split("train")
+        train_rows = common.numbered("embedded task", task.make_split("train"))
     if args.eval_data:
         held_out_rows = common.load_jsonl(args.eval_data, ("prompt",))
     elif args.data:
         held_out_rows = []  # a user's data has no held-out split unless --eval_data gives one
     else:
-        held_out_rows = task.make_split("test")
+        held_out_rows = common.numbered("embedded task", task.make_split("test"))
     new = args.max_new_tokens
-    train = load_prompts(train_rows, tok, new, context, args.data or "embedded task")
-    held_out_rows = held_out_rows[: args.eval_samples]
-    held_out = load_prompts(held_out_rows, tok, new, context, args.eval_data or "embedded task")
+    train = load_prompts(train_rows, tok, new, context)
+    held_out = load_prompts(held_out_rows[: args.eval_samples], tok, new, context)
     if len(train) < args.rollout_batch_size:
         raise SystemExit(
             f"error: {args.data or 'embedded task'}: {len(train)} prompts, fewer than "
-            "--rollout_batch_size"
+            f"--rollout_batch_size {args.rollout_batch_size}"
         )
     return train, held_out
 

@@ -113,13 +113,11 @@ LIMITS = {
 
 
 # ---- the math ----------------------------------------------------------------------------------
-def encode_pairs(tok, rows, max_len, source):
-    """[(chosen ids, rejected ids)] of {"prompt", "chosen", "rejected"} rows, each sequence the
-    prompt, the response and its end (`common.encode_pair`, as PPO scores a finished response).
-    The reward model reads the whole sequence, so the prompt's length is not kept."""
-    pairs = [
-        common.encode_pair(tok, row, max_len, f"{source}:{i + 1}") for i, row in enumerate(rows)
-    ]
+def encode_pairs(tok, rows, max_len):
+    """[(chosen ids, rejected ids)] of [(where, {"prompt", "chosen", "rejected"})] rows, each
+    sequence the prompt, the response and its end (`common.encode_pair`, as PPO scores a finished
+    response). The reward model reads the whole sequence, so the prompt's length is not kept."""
+    pairs = [common.encode_pair(tok, row, max_len, where) for where, row in rows]
     return [(chosen, rejected) for (chosen, _), (rejected, _) in pairs]
 
 
@@ -148,16 +146,17 @@ def load_data(args, tok, max_len):
     if args.data:
         train = common.load_jsonl(args.data, fields)
     else:
-        train = task.make_pairs("train", args.pairs_per_prompt)
+        train = common.numbered("embedded task", task.make_pairs("train", args.pairs_per_prompt))
     if args.eval_data:
         held_out = common.load_jsonl(args.eval_data, fields)
     elif args.data:
         held_out = []  # a user's data has no held-out split unless --eval_data gives one
     else:
-        held_out = task.make_pairs("test")  # prompts of the held-out split only
+        # prompts of the held-out split only
+        held_out = common.numbered("embedded task", task.make_pairs("test"))
     source = args.data or "embedded task"
-    train = encode_pairs(tok, train, max_len, source)
-    held_out = encode_pairs(tok, held_out[: args.eval_samples], max_len, args.eval_data or source)
+    train = encode_pairs(tok, train, max_len)
+    held_out = encode_pairs(tok, held_out[: args.eval_samples], max_len)
     if len(train) < args.train_batch_size:
         raise SystemExit(
             f"error: {source}: {len(train)} pairs, fewer than --train_batch_size "

@@ -140,27 +140,28 @@ def batch_tokens(examples):
 
 # ---- the phases --------------------------------------------------------------------------------
 def load_data(args, tok, max_len):
-    """(training examples as (input_ids, n_prompt), held-out {"prompt", "response"} rows)."""
+    """(training examples as (input_ids, n_prompt), held-out {"prompt", "response"} rows); the
+    rows come as [(where, row)] (`common.load_jsonl`), so an error names a row's file and line."""
     if args.data:
         train = common.load_jsonl(args.data, ("prompt", "response"))
     else:
-        train = task.make_split("train")
+        train = common.numbered("embedded task", task.make_split("train"))
     if args.eval_data:
         held_out = common.load_jsonl(args.eval_data, ("prompt", "response"))
     elif args.data:
         held_out = []  # a user's data has no held-out split unless --eval_data gives one
     else:
-        held_out = task.make_split("test")
+        held_out = common.numbered("embedded task", task.make_split("test"))
     source = args.data or "embedded task"
-    train = [encode(tok, ex, max_len, f"{source}:{i + 1}") for i, ex in enumerate(train)]
+    train = [encode(tok, ex, max_len, where) for where, ex in train]
     if len(train) < args.train_batch_size:
         raise SystemExit(
             f"error: {source}: {len(train)} examples, fewer than --train_batch_size "
             f"{args.train_batch_size}"
         )
     held_out = held_out[: args.eval_samples]
-    common.check_held_out(tok, held_out, max_len, args.eval_data or "embedded task")
-    return train, held_out
+    common.check_held_out(tok, held_out, max_len)
+    return train, [row for _, row in held_out]
 
 
 def micro_batch_loss(model, micro, n_tokens, pad_id, device):

@@ -2,9 +2,12 @@
 
 import json
 import os
+import subprocess
 
 import pytest
 
+from conftest import CPU_ONLY
+from conftest import REPO
 from conftest import run_py
 
 
@@ -65,7 +68,9 @@ def test_bad_data_file(tmp_path, text, needles):
 
 
 def test_ppo_prompt_longer_than_the_context(tmp_path):
-    text = json.dumps({"prompt": "1+1="}) + "\n" + json.dumps({"prompt": "9" * 70}) + "\n"
+    """The line named is the file's (blank lines between rows count: they were not, and the
+    error named the row's index, here 2)."""
+    text = json.dumps({"prompt": "1+1="}) + "\n\n\n" + json.dumps({"prompt": "9" * 70}) + "\n"
     (tmp_path / "prompts.jsonl").write_text(text)
     import task
 
@@ -73,7 +78,7 @@ def test_ppo_prompt_longer_than_the_context(tmp_path):
     args = ("--model", task.TINY_MODEL, "--out_dir", tmp_path / "out", "--rollout_engine", "hf")
     args += ("--data", tmp_path / "prompts.jsonl", "--max_steps", 1)
     p = run_py("train_ppo.py", *args)
-    assert_one_line_error(p, "prompts.jsonl:2", "exceeds the model's context")
+    assert_one_line_error(p, "prompts.jsonl:4", "exceeds the model's context")
 
 
 def test_a_held_out_prompt_without_room_to_decode(tmp_path):
@@ -90,13 +95,26 @@ def test_a_held_out_prompt_without_room_to_decode(tmp_path):
     assert_one_line_error(p, "held_out.jsonl:2", "exceed the model's context (64)")
 
 
+def test_a_held_out_response_without_room_is_the_row_named(tmp_path):
+    """A held-out response too long for the context was blamed on the first row's prompt (row 1
+    here), and tokenised before any size check (a 5 MB response: 2.3 GB and 13 s per rank)."""
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"prompt": "1+1=", "response": "2"}) + "\n")
+    held_out = tmp_path / "held_out.jsonl"
+    rows = [{"prompt": "1+1=", "response": "2"}, {"prompt": "2+2=", "response": "4" * 70}]
+    held_out.write_text(json.dumps(rows[0]) + "\n\n" + json.dumps(rows[1]) + "\n")
+    args = ("--out_dir", tmp_path, "--data", train, "--eval_data", held_out, "--max_steps", 1)
+    p = run_py("train_sft.py", *args, "--train_batch_size", 1, "--micro_batch_size", 1)
+    assert_one_line_error(p, "held_out.jsonl:3: a held-out response of 70 tokens", "(64)")
+
+
 def test_overlong_example(tmp_path):
     data = tmp_path / "long.jsonl"
     short = json.dumps({"prompt": "1+1=", "response": "2"}) + "\n"
     overlong = json.dumps({"prompt": "9" * 80, "response": "2"}) + "\n"
-    data.write_text(short + overlong)
+    data.write_text(short + "\n" + overlong)  # the blank line counts
     p = run_py("train_sft.py", "--out_dir", tmp_path, "--data", data, "--max_steps", 1)
-    assert_one_line_error(p, "long.jsonl:2", "longer than the model's context")
+    assert_one_line_error(p, "long.jsonl:3", "longer than the model's context")
 
 
 def test_a_fresh_run_does_not_mix_with_an_earlier_one(tmp_path):
@@ -215,7 +233,7 @@ def test_max_new_tokens_beyond_the_context_names_the_flag():
     task.ensure_tiny_model()
     tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
     with pytest.raises(SystemExit, match="--max_new_tokens 100: the model's context holds 64"):
-        train_ppo.load_prompts([{"prompt": "1+1="}], tok, 100, 64, "embedded task")
+        train_ppo.load_prompts([("embedded task:1", {"prompt": "1+1="})], tok, 100, 64)
 
 
 def test_ppo_batch_sizes(tmp_path):
@@ -254,6 +272,9 @@ def test_ppo_batch_sizes(tmp_path):
         ("train_rm.py", "--timeout_minutes", 0, "expected a number > 0, <= 1e6"),
         ("train_ppo.py", "--stop_at_step", -1, "expected a number >= 0"),
         ("train_rm.py", "--save_every_minutes", -5, "expected a number >= 0"),
+        # '' is what the flag's default means (the embedded task): given, it is `--data "$UNSET"`
+        ("train_ppo.py", "--data", "", "expected a JSONL file, got ''"),
+        ("train_sft.py", "--eval_data", "", "expected a JSONL file, got ''"),
     ],
 )
 def test_flags_out_of_range(tmp_path, monkeypatch, capsys, script, flag, value, needle):
@@ -601,6 +622,16 @@ def test_a_crafted_model_folder_is_one_line(tmp_path, damage, needle):
     assert line.startswith(f"error: --model {model_dir}") and needle in line, line
 
 
+def test_a_read_error_names_the_file():
+    """An I/O error while reading a data file (a failing disk, a network mount; here the kernel's
+    EIO from /proc/self/mem) carries no file name: the line said only "[Errno 5] Input/output
+    error"."""
+    import common
+
+    with pytest.raises(SystemExit, match="error: /proc/self/mem: Input/output error"):
+        common.load_jsonl("/proc/self/mem", ["prompt"])
+
+
 def test_a_byte_order_mark_is_not_bad_input(tmp_path):
     """A JSONL file that starts with a UTF-8 byte-order mark (Notepad, PowerShell) is read."""
     import common
@@ -608,7 +639,7 @@ def test_a_byte_order_mark_is_not_bad_input(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b'\xef\xbb\xbf{"prompt": "1+1=", "response": "2"}\n')
     assert common.load_jsonl(str(path), ["prompt", "response"]) == [
-        {"prompt": "1+1=", "response": "2"}
+        (f"{path}:1", {"prompt": "1+1=", "response": "2"})
     ]
 
 
@@ -629,3 +660,18 @@ def test_a_classifier_of_two_labels_is_no_reward_model(tmp_path):
     args += ("--reward_model", reward_dir, "--eval_samples", 4, "--max_steps", 1)
     p = run_py("train_ppo.py", *args)
     assert_one_line_error(p, f"--reward_model {reward_dir}: a classifier with 2 outputs")
+
+
+@pytest.mark.slow
+def test_a_memory_store_under_two_ranks_is_refused_at_the_start():
+    """fsspec's memory:// store is one process's own memory: under two ranks each wrote its own
+    objects where the other could not see them, and the first save failed (or, before the
+    commit checked every rank's objects, committed a checkpoint missing rank 1's). Now the start
+    says so in one line per rank (launch.sh: torchrun's own report left out)."""
+    cmd = ["bash", os.path.join(REPO, "launch.sh"), "sft", "--out_dir", "memory://two/sft"]
+    cmd += ["--max_steps", "2", "--save_every", "2", "--eval_every", "0"]
+    env = {**os.environ, **CPU_ONLY}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert_one_line_error(p, "memory:// is one process's memory; 2 ranks need a store")
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(set(lines)) == 1, p.stderr  # the same line from each rank, nothing else

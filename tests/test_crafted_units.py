@@ -514,3 +514,34 @@ def test_an_earlier_export_of_any_tokenizer_kind_may_be_replaced(tmp_path):
     assert not checkpoint._is_export_file(str(tmp_path), "notes", set())
     (tmp_path / "additional_chat_templates" / "mine.txt").write_text("not a template")
     assert not checkpoint._is_export_file(str(tmp_path), "additional_chat_templates", set())
+
+
+def test_a_store_save_missing_a_ranks_objects_is_not_committed(tmp_path):
+    """On a store, rank 0 writes the manifest from what it lists. A listing without another rank's
+    objects (a store that is not shared, as memory:// between processes; one whose listing lags
+    behind writes) gave a committed checkpoint, and a `latest`, that no resume could load. Now
+    the save fails before the manifest: every rank's RNG file and every shard DCP's metadata
+    names must be listed."""
+    import objstore
+
+    folder = tmp_path / "dcp"
+    dcp.save({"t": torch.arange(1000.0)}, checkpoint_id=str(folder), no_dist=True)
+    url = "memory://plainrlhf-uncommitted/run/checkpoints"
+    fs, path = objstore.fs_of(url)
+    step = f"{path}/step-00000002"
+    for name in os.listdir(folder):
+        fs.pipe_file(f"{step}/dcp/{name}", (folder / name).read_bytes())
+    fs.pipe_file(f"{step}/meta.json", b"{}")
+    fs.pipe_file(f"{step}/rng-rank0.json", b"{}")
+    final = f"{url}/step-00000002"
+    with pytest.raises(checkpoint.CheckpointError, match="rng-rank1.json: rank 1 wrote it, but"):
+        checkpoint._publish_store(final, url, "step-00000002", 2, world=2)
+    fs.pipe_file(f"{step}/rng-rank1.json", b"{}")
+    shard = next(name for name in os.listdir(folder) if name.endswith(".distcp"))
+    fs.rm(f"{step}/dcp/{shard}")
+    with pytest.raises(checkpoint.CheckpointError, match=f"names '{shard}', not an object listed"):
+        checkpoint._publish_store(final, url, "step-00000002", 2, world=2)
+    assert not fs.exists(f"{step}/manifest.json") and not fs.exists(f"{path}/latest")
+    fs.pipe_file(f"{step}/dcp/{shard}", (folder / shard).read_bytes())
+    checkpoint._publish_store(final, url, "step-00000002", 2, world=2)  # now complete: committed
+    assert fs.cat_file(f"{path}/latest") == b"step-00000002\n"

@@ -129,7 +129,7 @@ def test_pairs_are_encoded_as_ppo_encodes_a_finished_response():
 
     tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
     row = {"prompt": "37+45=", "chosen": "82", "rejected": "712"}
-    [((chosen, n_c), (rejected, n_r))] = train_dpo.encode_pairs(tok, [row], 64, "data")
+    [((chosen, n_c), (rejected, n_r))] = train_dpo.encode_pairs(tok, [("data:1", row)], 64)
     want = train_ppo.reward_model_inputs(tok, ["37+45="] * 2, ["82", "712"], [True, True])
     assert [chosen, rejected] == want
     assert n_c == n_r == len(chosen) - 3  # "8", "2", EOS are the response

@@ -62,7 +62,7 @@ def test_the_rm_is_trained_on_the_format_ppo_scores():
 
     tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
     row = {"prompt": "37+45=", "chosen": "82", "rejected": "712"}
-    [(chosen, rejected)] = train_rm.encode_pairs(tok, [row], 64, "data")
+    [(chosen, rejected)] = train_rm.encode_pairs(tok, [("data:1", row)], 64)
     want = train_ppo.reward_model_inputs(tok, ["37+45="] * 2, ["82", "712"], [True, True])
     assert [chosen, rejected] == want
     assert chosen[-1] == tok.eos_token_id and len(rejected) == len(chosen) + 1

@@ -430,10 +430,21 @@ def test_an_empty_prompt_without_a_bos_is_refused():
     # DPO's first response logprob likewise; a reward model reads the whole sequence, so takes it
     row = {"prompt": "", "chosen": "82", "rejected": "81"}
     with pytest.raises(SystemExit, match="x.jsonl:2: the prompt has no tokens"):
-        train_dpo.encode_pairs(
-            tok, [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}, row], 64, "x.jsonl"
-        )
-    assert len(train_rm.encode_pairs(tok, [row], 64, "x.jsonl")) == 1
+        first = {"prompt": "1+1=", "chosen": "2", "rejected": "3"}
+        train_dpo.encode_pairs(tok, [("x.jsonl:1", first), ("x.jsonl:2", row)], 64)
+    assert len(train_rm.encode_pairs(tok, [("x.jsonl:2", row)], 64)) == 1
+
+
+def test_a_pair_that_prefers_neither_response_is_refused():
+    """chosen == rejected (as tokens): the Bradley-Terry and DPO losses are log 2 whatever the
+    model, and the pair was counted as ranked wrong in the accuracies. Both preference stages
+    encode through common.encode_pair, which refuses it."""
+    tok = bpe_merging_tokenizer()
+    row = {"prompt": "1+1=", "chosen": "2", "rejected": "2"}
+    with pytest.raises(SystemExit, match="x.jsonl:5: 'chosen' and 'rejected' are the same"):
+        train_rm.encode_pairs(tok, [("x.jsonl:5", row)], 64)
+    with pytest.raises(SystemExit, match="prefers neither"):
+        train_dpo.encode_pairs(tok, [("x.jsonl:5", row)], 64)
 
 
 def test_a_token_across_the_join_is_never_dropped():
