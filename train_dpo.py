@@ -288,13 +288,6 @@ def main(args):
     model, tok = common.load_model_and_tokenizer(
         args.model, AutoModelForCausalLM, args.attn_implementation
     )
-    # The reference: the same export, frozen, in eval mode (no dropout: its logprobs are those of
-    # pi_ref itself). Loaded before any RNG draw, so a resumed run builds the same one.
-    reference, _ = common.load_model_and_tokenizer(
-        args.model, AutoModelForCausalLM, args.attn_implementation
-    )
-    reference.requires_grad_(False)
-    reference.eval()
     # The policy stays in eval mode (from_pretrained's), dropout off, as in the DPO authors' code
     # (`disable_dropout`) and TRL's (`disable_dropout=True`): the implicit reward
     # β·log(π/π_ref) then compares the two models themselves, not a dropout mask, and at step 1
@@ -309,8 +302,16 @@ def main(args):
     train, held_out = load_data(args, tok, common.context_length(args.model, model.config))
     if args.gradient_checkpointing:
         common.checkpoint_activations(model)
-    for each in (model, reference):
-        common.shard_model(each, device, reshard_after_forward=args.reshard_after_forward)
+    common.shard_model(model, device, reshard_after_forward=args.reshard_after_forward)
+    # The reference: the same export, frozen, in eval mode (no dropout: its logprobs are those of
+    # pi_ref itself). Loaded before any RNG draw, so a resumed run builds the same one; once the
+    # policy is sharded, so a rank holds one whole model in host memory at a time.
+    reference, _ = common.load_model_and_tokenizer(
+        args.model, AutoModelForCausalLM, args.attn_implementation
+    )
+    reference.requires_grad_(False)
+    reference.eval()
+    common.shard_model(reference, device, reshard_after_forward=args.reshard_after_forward)
     # fused: one kernel for AdamW's element-wise math (README: Benchmarks)
     optim = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=True

@@ -444,14 +444,17 @@ class Models:
 
 
 def build_models(args, device):
-    """(Models, tokenizer, roles = {name: (model, optimizer)} for the trained ones)."""
+    """(Models, tokenizer, roles = {name: (model, optimizer)} for the trained ones). Each model is
+    sharded as soon as it is loaded (`place_model`): a rank holds one whole model in host memory
+    at a time, not all four (at 7B parameters in fp32, 28 GB each, on each of 8 ranks)."""
     attention = args.attn_implementation
     actor, tok = common.load_model_and_tokenizer(args.model, AutoModelForCausalLM, attention)
+    place_model(actor, args, device, trained=True)
     # --kl_coef 0, no --target_kl: the KL weighs nothing; no reference (as TRL's GRPO at beta 0)
     ref = None
     if args.kl_coef > 0 or args.target_kl > 0:
         ref, _ = common.load_model_and_tokenizer(args.model, AutoModelForCausalLM, attention)
-        ref.requires_grad_(False)
+        place_model(ref.requires_grad_(False), args, device, trained=False)
     models = Models(actor, ref, None, None)
     if args.advantage_estimator == "gae":
         # The critic: the SFT backbone and a value head; a zero head gives zero initial values
@@ -463,29 +466,26 @@ def build_models(args, device):
         torch.nn.init.zeros_(head.weight)
         if head.bias is not None:
             torch.nn.init.zeros_(head.bias)
+        place_model(critic, args, device, trained=True)
         models.critic = critic
     if args.reward_model:
         load_reward_model(args, models)
-    if args.gradient_checkpointing:  # the trained models; the frozen ones keep no activations
-        common.checkpoint_activations(actor)
-        if models.critic is not None:
-            common.checkpoint_activations(models.critic)
-    # Every model stays in eval mode: dropout off, so the first ratio is exactly 1 and the KL is
-    # reproducible [N policy #4]; gradients flow all the same.
-    # --offload_frozen: the reference and the reward model only, the models that never train.
-    trained_or_frozen = [
-        (actor, False),
-        (models.critic, False),
-        (ref, args.offload_frozen),
-        (models.reward_model, args.offload_frozen),
-    ]
-    for model, offload in trained_or_frozen:
-        if model is not None:
-            common.shard_model(model.eval(), device, offload, args.reshard_after_forward)
+        place_model(models.reward_model, args, device, trained=False)
     roles = {"actor": (actor, adamw(actor, args.lr))}
     if models.critic is not None:
         roles["critic"] = (models.critic, adamw(models.critic, args.critic_lr))
     return models, tok, roles
+
+
+def place_model(model, args, device, trained):
+    """Shard a model just loaded (`common.shard_model`), in eval mode: dropout off, so the first
+    ratio is exactly 1 and the KL is reproducible [N policy #4]; gradients flow all the same.
+    Activation checkpointing (set before sharding) for the trained models, whose activations the
+    backward needs; --offload_frozen for the frozen ones (reference, reward model) only."""
+    if trained and args.gradient_checkpointing:
+        common.checkpoint_activations(model)
+    offload = args.offload_frozen and not trained
+    common.shard_model(model.eval(), device, offload, args.reshard_after_forward)
 
 
 def load_reward_model(args, models):
