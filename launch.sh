@@ -33,7 +33,7 @@ setup() {
     python3 -m venv --clear .venv
   fi
   if [ "${want%% *}" = gpu ]; then
-    "$PY" -m pip install -r requirements.txt vllm        # CUDA torch comes with vllm
+    "$PY" -m pip install -r requirements.txt "vllm==0.32.*"  # CUDA torch comes with vllm
   else
     "$PY" -m pip install --no-deps -r requirements-cpu.txt
   fi
