@@ -833,16 +833,6 @@ def attention_implementation(path, choice, flag="--model"):
     return None
 
 
-def token_logprobs(logits, tokens):
-    """log softmax(logits)[token] in fp32, as gather - logsumexp: logits [..., V], tokens [...]
-    -> [...]. It never holds the [..., V] log-probabilities that `log_softmax` would make: at a
-    real vocabulary those are the largest tensor of a forward (Qwen2's 151,936 entries: 0.6 MB
-    per token in fp32), and log_softmax's output is a further copy of the logits beside the
-    fp32 cast its input needs. TRL's `selective_log_softmax` computes it so too."""
-    logits = logits.float()  # no copy when the model computes in fp32
-    return logits.gather(-1, tokens[..., None])[..., 0] - logits.logsumexp(-1)
-
-
 def head_only_at_last(model, n):
     """{"logits_to_keep": n}, transformers' own argument: a causal LM computes its head's logits
     at the last n positions only (the same numbers there; only the head's weight gradient, a sum

@@ -146,8 +146,9 @@ def sequence_logprobs(logits, input_ids, response_mask):
     """log pi(y|x) = Σ_k log pi(y_k | x, y_<k) over each sequence's response tokens: [B].
     logits [B, T, V] (position t predicts token t+1, hence the shift), input_ids and
     response_mask [B, T]. A sum, not a mean: eq. 7 is about the whole response's probability."""
+    logp = logits[:, :-1].float().log_softmax(-1)  # [B, T-1, V]
     targets = input_ids[:, 1:]  # [B, T-1]
-    per_token = common.token_logprobs(logits[:, :-1], targets)  # [B, T-1]
+    per_token = logp.gather(-1, targets[..., None])[..., 0]  # [B, T-1]
     return (per_token * response_mask[:, 1:]).sum(-1)
 
 

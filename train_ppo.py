@@ -407,9 +407,10 @@ def logprobs_of(model, batch, temperature):
         # they would predict prompt tokens no loss reads. The same numbers (`at_responses`).
         **common.head_only_at_last(model, R + 1),
     )
-    logits = at_responses(outputs.logits, batch).float() / max(temperature, 1e-7)  # [B, R, V]
+    logits = at_responses(outputs.logits, batch).float()  # [B, R, V]
+    logp = (logits / max(temperature, 1e-7)).log_softmax(-1)
     responses = batch.input_ids[:, batch.response_start :]  # [B, R]
-    return common.token_logprobs(logits, responses)
+    return logp.gather(-1, responses[..., None])[..., 0]
 
 
 def values_of(critic, batch):

@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import common
 import train_ppo as ppo
 from conftest import NoKeep
 from conftest import tiny_llama
@@ -288,24 +287,9 @@ def test_logprobs_need_the_head_only_where_a_response_token_is_predicted():
         ).logits  # [3, 9, V]
     hook.remove()
     assert head_columns == [5, 9]  # R + 1 for logprobs_of, P + R for the full forward
-    # columns P - 1 .. P + R - 2, at the response tokens
-    expected = common.token_logprobs(full[:, 4:-1].float() / 0.7, batch.input_ids[:, 5:])
+    expected = (full[:, 4:-1].float() / 0.7).log_softmax(-1)  # columns P - 1 .. P + R - 2
+    expected = expected.gather(-1, batch.input_ids[:, 5:, None])[..., 0]
     assert torch.equal(logprobs, expected)
 
     with torch.no_grad():
         assert torch.equal(ppo.logprobs_of(NoKeep(model), batch, temperature=0.7), expected)
-
-
-def test_token_logprobs_are_log_softmax_at_the_tokens():
-    """common.token_logprobs (gather - logsumexp, used by PPO's logprobs_of and DPO's
-    sequence_logprobs) is log_softmax at the tokens, in fp32 from bf16 logits too."""
-    generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 5, 1000, generator=generator) * 30  # large logits: logsumexp's max
-    tokens = torch.randint(0, 1000, (3, 5), generator=generator)
-    want = logits.log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
-    got = common.token_logprobs(logits, tokens)
-    assert got.shape == (3, 5) and torch.allclose(got, want, atol=1e-5, rtol=0)
-    half = common.token_logprobs(logits.bfloat16(), tokens)
-    assert half.dtype == torch.float32
-    want_half = logits.bfloat16().float().log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
-    assert torch.allclose(half, want_half, atol=1e-5, rtol=0)
