@@ -407,8 +407,9 @@ def logprobs_of(model, batch, temperature):
         # they would predict prompt tokens no loss reads. The same numbers (`at_responses`).
         **common.head_only_at_last(model, R + 1),
     )
-    logits = at_responses(outputs.logits, batch).float()  # [B, R, V]
-    logp = (logits / max(temperature, 1e-7)).log_softmax(-1)
+    # [B, R, V]. The fp32 cast is not kept in a name: freed once divided, it is not held beside
+    # the log-probabilities (at a real vocabulary each is a forward's largest tensor)
+    logp = (at_responses(outputs.logits, batch).float() / max(temperature, 1e-7)).log_softmax(-1)
     responses = batch.input_ids[:, batch.response_start :]  # [B, R]
     return logp.gather(-1, responses[..., None])[..., 0]
 
