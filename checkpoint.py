@@ -1088,8 +1088,9 @@ def _publish(tmp, final, root, name, step, hashed):
 
 
 def _publish_store(final, root, name, step, world):
-    """Rank 0, on a store: every object's size and sha256 (read back: what the store holds), the
-    manifest written last (the commit), then the `latest` object replaced (one PUT)."""
+    """Rank 0, on a store: every object's size and sha256 (read back: what the store holds),
+    every rank's objects among them (`_check_every_rank_listed`), the manifest written last (the
+    commit), then the `latest` object replaced (one PUT)."""
     files = {}
     for rel, size in sorted(objstore.listing(final).items()):
         if rel == "manifest.json":  # an abandoned branch's: removed before this save wrote
@@ -1242,8 +1243,11 @@ def _start_store(out_dir, resume):
         world = dist.get_world_size()
     if out_dir.startswith("memory://") and world > 1:
         # fsspec's memory store lives in one process: the other ranks' objects would not be there
-        error = f"{out_dir}: memory:// is one process's memory; {world} ranks need a store"
-        return {"candidates": [], "error": f"{error} they all reach (s3://...)"}
+        error = (
+            f"{out_dir}: memory:// is one process's memory; {world} ranks need a store they "
+            "all reach (s3://...)"
+        )
+        return {"candidates": [], "error": error}
     try:
         if _run.get("lock", (None,))[0] != out_dir:  # this process took it already
             objstore.take_lock(out_dir, run_id)

@@ -145,6 +145,25 @@ def parse_bool(text):
     return text.lower() == "true"
 
 
+# Flags whose default '' means "none given" (the embedded task's data; no reward model, so the rule
+# reward): given as '' on the command line (`--data "$DATA"` with DATA unset) they are refused,
+# not read as their default. {flag: what it expects}
+NOT_EMPTY = {
+    "data": "a JSONL file",
+    "eval_data": "a JSONL file",
+    "reward_model": "a reward model folder",
+}
+
+
+def not_empty(what, value):
+    """argparse's type of the NOT_EMPTY flags: `what`, not ''."""
+    if not value:
+        raise argparse.ArgumentTypeError(
+            f"expected {what}, got '' (leave the flag out for its default)"
+        )
+    return value
+
+
 def build_parser(cls):
     """The argparse parser of a stage's `Args`: one flag per field, its docstring the --help, in
     two groups (the stage's own flags, then RunArgs')."""
@@ -170,28 +189,13 @@ def build_parser(cls):
         if f.name in shared_names:
             group = shared
         default = f.default
-        if f.name in DATA_FLAGS:
-            kind = data_path
-            default = None  # not given: parse_args puts back the field's '' (the embedded task)
+        if f.name in NOT_EMPTY:
+            kind = functools.partial(not_empty, NOT_EMPTY[f.name])
+            default = None  # not given: parse_args puts back the field's '' (its default)
         group.add_argument(
             f"--{f.name}", type=kind, choices=choices, default=default, help=help_text
         )
     return parser
-
-
-# The flags whose '' (their default) means the embedded task's data: given as '' on the command
-# line (`--data "$DATA"` with DATA unset) they are refused, not read as "train on the embedded
-# task".
-DATA_FLAGS = ("data", "eval_data")
-
-
-def data_path(value):
-    """argparse's type of DATA_FLAGS: a path, not ''."""
-    if not value:
-        raise argparse.ArgumentTypeError(
-            "expected a JSONL file, got '' (leave the flag out for the embedded task's data)"
-        )
-    return value
 
 
 def parse_args(cls, limits):
@@ -1370,8 +1374,9 @@ def peak_gpu_memory():
 
 
 def release_collectives(seconds=0.2):
-    """At a run's end, after destroy_process_group: let go of what the collectives still hold
-    before the interpreter shuts down (cf. pytorch#179291). Two things held on: FSDP modules sit in
+    """At a run's end, after destroy_process_group (or after an error line, the group still up):
+    let go of what the collectives still hold before the interpreter shuts down (cf.
+    pytorch#179291). Two things held on: FSDP modules sit in
     reference cycles with gloo work objects (gc.collect frees them now); and a gloo worker thread
     frees a finished collective's tensors after its caller has moved on, which needs the GIL once
     their Python objects are gone. A thread that asks for the GIL while the interpreter finalizes

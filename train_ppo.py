@@ -455,7 +455,8 @@ def build_models(args, device):
     ref = None
     if args.kl_coef > 0 or args.target_kl > 0:
         ref, _ = common.load_model_and_tokenizer(args.model, AutoModelForCausalLM, attention)
-        place_model(ref.requires_grad_(False), args, device, trained=False)
+        ref.requires_grad_(False)
+        place_model(ref, args, device, trained=False)
     models = Models(actor, ref, None, None)
     if args.advantage_estimator == "gae":
         # The critic: the SFT backbone and a value head; a zero head gives zero initial values

@@ -275,6 +275,7 @@ def test_ppo_batch_sizes(tmp_path):
         # '' is what the flag's default means (the embedded task): given, it is `--data "$UNSET"`
         ("train_ppo.py", "--data", "", "expected a JSONL file, got ''"),
         ("train_sft.py", "--eval_data", "", "expected a JSONL file, got ''"),
+        ("train_ppo.py", "--reward_model", "", "expected a reward model folder, got ''"),
     ],
 )
 def test_flags_out_of_range(tmp_path, monkeypatch, capsys, script, flag, value, needle):
