@@ -186,6 +186,12 @@ def main():
     p.add_argument("--prompts", type=int, default=16, help="PPO prompts (x 4 samples)")
     p.add_argument("--new_tokens", type=int, default=64, help="PPO: new tokens per response")
     p.add_argument("--skip_sft", action="store_true")
+    p.add_argument(
+        "--ppo_runs",
+        default="plain,offload,gc",
+        help="which PPO runs, comma-separated: plain, offload (--offload_frozen), gc (gradient "
+        "checkpointing); a short device lease may afford only some",
+    )
     a = p.parse_args()
     import torch
 
@@ -203,11 +209,17 @@ def main():
     if not a.skip_sft:
         results["sft"] = bench_sft(a.out, model, n_params, config, a.steps)
     sizes = (a.prompts, a.new_tokens)
-    results["ppo"] = bench_ppo(a.out, model, n_params, 3, "plain", *sizes)
-    offload = ("--offload_frozen", "true")
-    results["ppo_offload_frozen"] = bench_ppo(a.out, model, n_params, 2, "offload", *sizes, offload)
-    ckpt = ("--gradient_checkpointing", "true")
-    results["ppo_gradient_checkpointing"] = bench_ppo(a.out, model, n_params, 2, "gc", *sizes, ckpt)
+    runs = a.ppo_runs.split(",")
+    if "plain" in runs:
+        results["ppo"] = bench_ppo(a.out, model, n_params, 3, "plain", *sizes)
+    if "offload" in runs:
+        offload = ("--offload_frozen", "true")
+        ppo = bench_ppo(a.out, model, n_params, 2, "offload", *sizes, offload)
+        results["ppo_offload_frozen"] = ppo
+    if "gc" in runs:
+        ckpt = ("--gradient_checkpointing", "true")
+        ppo = bench_ppo(a.out, model, n_params, 2, "gc", *sizes, ckpt)
+        results["ppo_gradient_checkpointing"] = ppo
     print("BENCH " + json.dumps(results))
 
 

@@ -1,10 +1,13 @@
 """GPU-only: the same code path on NCCL with bf16 mixed precision. Skipped cleanly without CUDA."""
 
 import json
+import math
+import os
 
 import pytest
 import torch
 
+import task
 from conftest import latest
 from conftest import metrics
 from conftest import run
@@ -91,3 +94,51 @@ def test_qwen2_sft_then_ppo_hf_engine_on_gpu(tmp_path):
         assert abs(x["objective/kl"] - y["objective/kl"]) < 1e-2, (x, y)
     # What the offload saves is measured at a size where it shows (bench/gpu.py: 1.84 GiB at
     # 0.5B, the reference's fp32 shard); here the reference is ~1 MB, below the line's rounding.
+
+
+def test_reward_model_then_ppo_with_it_and_dpo_on_gpu(tmp_path):
+    """The stages added after the first GPU run (2026-11-23), on CUDA: bf16 compute, NCCL, 1 rank.
+    A reward model from the embedded tiny model (its score read through the value-head hook under
+    FSDP2's bf16 forward, its statistics recorded), PPO scoring with it and with the gold rule
+    beside it, the reward model and the reference both under --offload_frozen (pinned host
+    memory: a path the CPU runs only as a no-op), and DPO on the embedded pairs."""
+    rm = str(tmp_path / "rm")
+    args = ("--model", task.TINY_MODEL, "--out_dir", rm, "--max_steps", 6, "--lr", 1e-3)
+    args += ("--train_batch_size", 16, "--micro_batch_size", 4, "--pairs_per_prompt", 1)
+    args += ("--eval_every", 3, "--eval_samples", 16, "--norm_samples", 32, "--save_every", 100)
+    run("train_rm.py", *args, nproc=1, gpu=True)
+    rows = metrics(rm)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(math.isfinite(r["train/loss"]) for r in rows), rows
+    assert 0 <= rows[-1]["eval/accuracy"] <= 1
+    config = json.load(open(os.path.join(rm, "hf", "config.json")))
+    assert config["reward_std"] > 0 and math.isfinite(config["reward_mean"]), config
+
+    ppo = str(tmp_path / "ppo")
+    args = ("--model", task.TINY_MODEL, "--reward_model", os.path.join(rm, "hf"))
+    args += ("--gold_reward_fn", "task:reward_fn", "--rollout_engine", "hf", "--out_dir", ppo)
+    args += ("--max_steps", 2, "--rollout_batch_size", 8, "--n_samples_per_prompt", 2)
+    args += ("--train_batch_size", 16, "--micro_batch_size", 8, "--max_new_tokens", 4)
+    args += ("--eval_samples", 8, "--save_every", 100, "--offload_frozen", "true")
+    p = run("train_ppo.py", *args, nproc=1, gpu=True)
+    assert "peak GPU memory" in p.stdout.splitlines()[-1], p.stdout[-500:]
+    rows = metrics(ppo)
+    assert "eval/gold_accuracy" in rows[0] and "eval/gold_accuracy" in rows[-1]
+    for row in rows[1:]:
+        assert 0 <= row["objective/gold_score"] <= 1, row
+        assert row["objective/score"] not in (0.0, 1.0), row  # the RM's, not the 0/1 rule's
+        assert row["rollout/logprob_diff_mean"] < 5e-2, row  # fp32 engine, bf16 actor
+        assert row["policy/first_ratio_dev"] == 0.0, row
+
+    dpo = str(tmp_path / "dpo")
+    args = ("--model", task.TINY_MODEL, "--out_dir", dpo, "--max_steps", 4, "--warmup_steps", 1)
+    args += ("--train_batch_size", 16, "--micro_batch_size", 4, "--eval_every", 2)
+    args += ("--eval_samples", 16, "--save_every", 100)
+    run("train_dpo.py", *args, nproc=1, gpu=True)
+    rows = [r for r in metrics(dpo) if "train/loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, 5))
+    # step 1 is before any update: the policy and the reference are the same weights in the same
+    # bf16 forward, so every pair's logratio difference is 0 and the loss log 2
+    assert rows[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-3), rows[0]
+    assert all(math.isfinite(r["train/loss"]) for r in rows), rows
+    assert os.path.exists(os.path.join(dpo, "hf", "model.safetensors"))
