@@ -124,7 +124,9 @@ def test_reward_model_then_ppo_with_it_and_dpo_on_gpu(tmp_path):
     assert "peak GPU memory" in p.stdout.splitlines()[-1], p.stdout[-500:]
     rows = metrics(ppo)
     assert "eval/gold_accuracy" in rows[0] and "eval/gold_accuracy" in rows[-1]
-    for row in rows[1:]:
+    training = [r for r in rows if r["step"] > 0]  # step 0 is the starting evaluation
+    assert len(training) == 2
+    for row in training:
         assert 0 <= row["objective/gold_score"] <= 1, row
         assert row["objective/score"] not in (0.0, 1.0), row  # the RM's, not the 0/1 rule's
         assert row["rollout/logprob_diff_mean"] < 5e-2, row  # fp32 engine, bf16 actor
