@@ -56,6 +56,17 @@ import checkpoint
 import objstore
 import task
 
+# MKL's float32 matrix products on AVX-512 CPUs depend on where their operands sit in memory:
+# MKL takes another code path for data that is not aligned to its vector width, and the sums
+# round differently. Two copies of the same weights then disagree in the last bits (seen on an
+# Intel Xeon, 2026-11-26: DPO's policy and reference, the same export in two allocations, gave
+# log-ratios 1e-8 apart at step 1, where they must be 0), and so can a resumed run, whose tensors
+# are allocated elsewhere than the straight run's. MKL's Conditional Numerical Reproducibility
+# (STRICT) makes each product independent of alignment; AUTO keeps the fastest code path the CPU
+# has. Read when MKL runs its first product, so it must be set before a model's first forward
+# (the stages import this module first thing); a value in the environment wins.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
 
 # ---- arguments -----------------------------------------------------------------------------------
 @dataclasses.dataclass
