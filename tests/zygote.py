@@ -1,0 +1,121 @@
+"""A process that imports torch and transformers once and forks a child for each `python SCRIPT
+ARGS` the tests ask of `conftest.run_py`.
+
+Why: about a hundred of the suite's cases run a script that fails or finishes within a second
+(a bad flag, a crafted file, `checkpoint.py verify`), and each paid ~5 s of imports on this
+machine before reaching its first line. A forked child starts with those modules loaded.
+
+What a child runs is what `python SCRIPT ARGS` runs, but for the third-party imports: the
+script as `__main__` (runpy), its argv, folder on sys.path, working directory and environment
+(this process's own was the tests' at start: no GPU), its stdout and stderr in the files the
+request names, stdin from /dev/null; the project's own modules are imported by the child, fresh
+(common.py sets an environment variable at import). At the end, as the interpreter does: a
+SystemExit's status (its message to stderr), a traceback and status 1 for anything else, threads
+joined, atexit handlers run, streams flushed.
+
+Protocol (one JSON object a line): a request {"argv", "cwd", "env", "stdout", "stderr",
+"timeout"} on stdin; {"status": waitpid's, "timed_out": bool} on stdout once the child has ended
+(SIGKILLed at the timeout).
+"""
+
+import atexit
+import io
+import json
+import os
+import runpy
+import signal
+import sys
+import threading
+import time
+import traceback
+
+# The imports every script of the project makes; not the project's own modules (see above), not
+# vLLM (it may start threads, which a fork does not copy).
+import numpy  # noqa: F401
+import safetensors.torch  # noqa: F401
+import tokenizers  # noqa: F401
+import torch  # noqa: F401
+import torch.distributed.checkpoint  # noqa: F401
+import transformers  # noqa: F401
+from transformers import AutoModelForCausalLM  # noqa: F401
+from transformers import AutoModelForSequenceClassification  # noqa: F401
+from transformers import AutoTokenizer  # noqa: F401
+
+
+def exit_status(e):
+    """The process status of an uncaught SystemExit, as the interpreter makes it."""
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code & 0xFF
+    print(e.code, file=sys.stderr)
+    return 1
+
+
+def redirect(request):
+    """fds 0, 1, 2 and sys.std* as a subprocess.run(capture_output=True) child has them."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    for fd, key in ((1, "stdout"), (2, "stderr")):
+        f = os.open(request[key], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdin = open(0, closefd=False)
+    sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), encoding="utf-8")
+    sys.stderr = io.TextIOWrapper(
+        open(2, "wb", closefd=False), encoding="utf-8", errors="backslashreplace"
+    )
+
+
+def child(request):
+    """Runs in the forked child; never returns."""
+    status = 1
+    try:
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        redirect(request)
+        script = request["argv"][0]
+        sys.argv = list(request["argv"])
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        try:
+            runpy.run_path(script, run_name="__main__")
+            status = 0
+        except SystemExit as e:
+            status = exit_status(e)
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        threading._shutdown()  # the interpreter joins non-daemon threads before atexit
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(status)
+
+
+def wait(pid, timeout):
+    """(waitpid's status, whether the child was killed at the timeout)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status, False
+        time.sleep(0.005)
+    os.kill(pid, signal.SIGKILL)
+    return os.waitpid(pid, 0)[1], True
+
+
+def main():
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            child(request)
+        status, timed_out = wait(pid, request["timeout"])
+        print(json.dumps({"status": status, "timed_out": timed_out}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
