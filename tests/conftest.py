@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import psutil
@@ -62,6 +63,7 @@ def run_py(*args, check=False, timeout=300, env=None):
 
 NO_ZYGOTE = "PLAINRLHF_TESTS_NO_ZYGOTE"
 _zygote = []  # this pytest process's tests/zygote.py, started at its first use
+_zygote_lock = threading.Lock()  # one request at a time on its pipes
 
 
 def zygote():
@@ -75,6 +77,11 @@ def zygote():
 
 def run_forked(cmd, timeout, env):
     """run_py's `cmd` as a child of the zygote; the same CompletedProcess, or TimeoutExpired."""
+    with _zygote_lock:
+        return _run_forked(cmd, timeout, env)
+
+
+def _run_forked(cmd, timeout, env):
     z = zygote()
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "stdout")
