@@ -56,15 +56,16 @@ import checkpoint
 import objstore
 import task
 
-# MKL's float32 matrix products on AVX-512 CPUs depend on where their operands sit in memory:
-# MKL takes another code path for data not aligned to its vector width, and the sums round
-# differently. Two copies of the same weights then disagree in the last bits (seen on an Intel
-# Xeon, 2026-11-26: DPO's policy and reference, the same export in two allocations, gave
-# log-probabilities 1.2e-7 apart at step 1, where they must be equal), and so can a resumed run,
-# whose tensors are allocated elsewhere than the straight run's. MKL's Conditional Numerical
-# Reproducibility (STRICT) makes each product independent of alignment; AUTO keeps the fastest
-# code path the CPU has. MKL reads it at its first product, so it is set here, at import: every
-# stage imports this module before it computes anything. A value in the environment wins.
+# MKL's float32 matrix products may round differently by where their operands sit in memory
+# (alignment) unless its Conditional Numerical Reproducibility is on (MKL's documentation). Two
+# copies of the same weights then disagree in the last bits (seen on an AVX-512 Intel Xeon,
+# 2026-11-26: DPO's policy and reference, the same export in two allocations, gave
+# log-probabilities 1.2e-7 apart at step 1, where they must be equal; not reproduced in a
+# micro-benchmark of offset operands, so the kernel involved is not known), and so can a resumed
+# run, whose tensors are allocated elsewhere than the straight run's. STRICT makes the results
+# independent of alignment; AUTO keeps the fastest code path the CPU has. MKL reads it at its
+# first product, so it is set here, at import: every stage imports this module before it
+# computes anything. A value in the environment wins.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 
