@@ -858,6 +858,11 @@ def _agree(fn, tmp, name, on_error):
     if not bad:
         return True
     _remove_unfinished(tmp)
+    # Collective: every rank has finished removing the temp dir before any goes on. Each rank
+    # removes the same (shared) folder, and a retry of the same step writes into the same path: a
+    # rank fast to retry had its new files deleted by a slower rank's removal of the failed ones
+    # (seen in tests/fault_check.py: rank 1's rng-rank1.json gone, FileNotFoundError).
+    dist.barrier()
     try:
         previous = _read_latest(os.path.dirname(tmp))
     except (OSError, objstore.StoreError):

@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
@@ -42,14 +43,25 @@ def main(out):
     def full():
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    # 0. The first save fails on rank 1: the error claims no previous checkpoint.
+    # 0. The first save fails on rank 1: the error claims no previous checkpoint. Rank 0 removes
+    # the failed temp dir slowly: rank 1's retry of the same step (below) writes into the same
+    # path, and must not begin before every rank's removal has ended.
     if rank == 1:
         checkpoint.rng_state = full
+    rmtree = checkpoint.shutil.rmtree
+
+    def slow_rmtree(*a, **k):
+        if rank == 0:
+            time.sleep(1)
+        rmtree(*a, **k)
+
+    checkpoint.shutil.rmtree = slow_rmtree
     try:
         checkpoint.save(args[0], 1, *args[1:], keep_last=0)
         raise AssertionError("the save did not fail")
     except checkpoint.CheckpointError as e:
         assert "no checkpoint is committed yet" in str(e) and "intact" not in str(e), e
+    checkpoint.shutil.rmtree = rmtree
     checkpoint.rng_state = real
     assert checkpoint.save(args[0], 1, *args[1:], keep_last=0).endswith("step-00000001")
 
