@@ -76,6 +76,8 @@ def main():
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--one", choices=sorted(IMPLEMENTATIONS), help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.steps < 4:  # the first three steps are dropped (warm-up): nothing would be left to time
+        p.error(f"--steps {a.steps}: expected at least 4 (the first 3 are warm-up)")
     if a.one:
         print(json.dumps(one(a.size, a.one, a.steps)))
         return

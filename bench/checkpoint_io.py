@@ -82,7 +82,7 @@ def main():
     checkpoint.resolve(root, "")  # the run lock and run id, as a stage takes them
     tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
     roles = {"model": (model, optim)}
-    meta = {"args": {"seed": 0}}
+    meta = {"args": {"seed": 0, "max_steps": 10}}  # checkpoint.load refuses a step past it
     hf = (config, tok, GenerationConfig())
     save_s = timed(lambda: checkpoint.save(root, 1, roles, meta, hf, keep_last=1), a.repeats)
     path = os.path.join(root, "checkpoints", "step-00000001")

@@ -103,7 +103,7 @@ def worker():
     checkpoint.resolve(root, "")  # the run lock and run id, as a stage takes them
     tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
     roles = {"model": (model, optim)}
-    meta = {"args": {"seed": 0}}
+    meta = {"args": {"seed": 0, "max_steps": 10}}  # checkpoint.load refuses a step past it
     hf = (config, tok, GenerationConfig())
     save_s = timed(lambda: checkpoint.save(root, 1, roles, meta, hf, keep_last=1), repeats)
     path = f"{root}/checkpoints/step-00000001"
