@@ -26,6 +26,7 @@ from transformers import AutoModelForSequenceClassification
 from transformers import AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # noqa: E402
 import task  # noqa: E402
 import train_ppo  # noqa: E402
 
@@ -116,6 +117,7 @@ def on_policy(model, tok, policy):
 
 
 def main(rm_dir, policy_dir=None):
+    common.quiet_console(verbose=False)  # transformers' loading bar and reports, as the stages
     torch.set_num_threads(2)
     tok = AutoTokenizer.from_pretrained(rm_dir)
     model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
