@@ -42,11 +42,11 @@ def make_model(hidden, layers, mlp, folder):
     from transformers import AutoTokenizer
     from transformers import LlamaConfig
     from transformers import LlamaForCausalLM
-    from transformers.utils import logging
 
+    import common
     import task
 
-    logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar: not our line
+    common.quiet_console(verbose=False)  # save_pretrained's "Writing model shards" bar, as stages
     tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
     cfg = LlamaConfig(
         vocab_size=len(tok),
