@@ -99,11 +99,12 @@ def sft_data(path, tok, n, prompt_chars, response_chars):
     return statistics.mean(lengths)
 
 
-def run(script, *args):
-    """One rank under torchrun; returns (its metrics rows, its peak GPU memory in GiB or None)."""
+def run(script, *args, wrapper=()):
+    """One rank under torchrun; returns (its metrics rows, its peak GPU memory in GiB or None).
+    wrapper: a script and its flags that run `script` (bench/profile_step.py)."""
     out = args[args.index("--out_dir") + 1]
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--standalone", "--nproc_per_node=1", os.path.join(REPO, script)]
+    cmd = [torchrun, "--standalone", "--nproc_per_node=1", *wrapper, os.path.join(REPO, script)]
     p = subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, cwd=REPO)
     if p.returncode != 0:
         sys.exit(f"error: {script} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
@@ -132,17 +133,17 @@ def mfu(flops_per_s):
     return flops_per_s / peak
 
 
-def bench_sft(work, model, n_params, config, steps):
+def bench_sft(work, model, n_params, config, steps, name="plain", extra=(), wrapper=()):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
     data = os.path.join(work, "sft.jsonl")
     tokens = sft_data(data, tok, 64 * steps, prompt_chars=64, response_chars=440)
-    out = os.path.join(work, "sft")
+    out = os.path.join(work, f"sft-{name}")
     args = ("--model", model, "--data", data, "--out_dir", out, "--max_steps", steps)
     args += ("--train_batch_size", 64, "--micro_batch_size", 16, "--eval_every", 0)
-    args += ("--save_every", 10**6, "--lr", 1e-4, "--warmup_steps", 2)
-    rows, peak = run("train_sft.py", *args)
+    args += ("--save_every", 10**6, "--lr", 1e-4, "--warmup_steps", 2, *extra)
+    rows, peak = run("train_sft.py", *args, wrapper=wrapper)
     timed = rows[1:]  # the first step pays one-time warm-ups
     step_s = statistics.median(r["time/step_s"] for r in timed)
     tok_s = 64 * tokens / step_s
@@ -150,7 +151,7 @@ def bench_sft(work, model, n_params, config, steps):
     flops_per_token = 6 * n_params + 12 * layers * config.hidden_size * tokens
     result = {"tokens_per_example": tokens, "step_s": step_s, "tokens_per_s": tok_s}
     result |= {"mfu": mfu(tok_s * flops_per_token), "peak_gpu_gib": peak}
-    print(f"SFT: {tokens:.0f} tokens/example, {step_s:.3f} s/step, {tok_s:.0f} tokens/s, {result}")
+    print(f"SFT ({name}): {tokens:.0f} tokens/example, {step_s:.3f} s/step, {result}")
     return result
 
 
@@ -185,7 +186,13 @@ def main():
     p.add_argument("--steps", type=int, default=8, help="SFT steps")
     p.add_argument("--prompts", type=int, default=16, help="PPO prompts (x 4 samples)")
     p.add_argument("--new_tokens", type=int, default=64, help="PPO: new tokens per response")
-    p.add_argument("--skip_sft", action="store_true")
+    p.add_argument(
+        "--sft_runs",
+        default="plain",
+        help="which SFT runs, comma-separated (none: ''): plain, noreshard "
+        "(--reshard_after_forward false), profile (plain, its 4th step under torch.profiler: "
+        "the kernel table goes to OUT/sft_profile.txt, or the --out folder without OUT)",
+    )
     p.add_argument(
         "--ppo_runs",
         default="plain,offload,gc",
@@ -194,6 +201,10 @@ def main():
     )
     a = p.parse_args()
     import torch
+
+    import common
+
+    common.quiet_console(False)  # no loading or "Writing model shards" bars in the logs
 
     os.makedirs(a.out, exist_ok=True)
     model = os.path.join(a.out, f"qwen2-{a.size}")
@@ -206,8 +217,21 @@ def main():
         where = torch.cuda.get_device_name()
     print(f"{where}; torch {torch.__version__}; model {n_params / 1e6:.1f}M parameters")
     results = {"machine": where, "torch": torch.__version__, "parameters": n_params}
-    if not a.skip_sft:
+    sft_runs = a.sft_runs.split(",")
+    if "plain" in sft_runs:
         results["sft"] = bench_sft(a.out, model, n_params, config, a.steps)
+    if "noreshard" in sft_runs:
+        # At world size 1 resharding after the forward frees and gathers again (copies) every
+        # block's bf16 parameters for the backward; False keeps them gathered in between.
+        extra = ("--reshard_after_forward", "false")
+        sft = bench_sft(a.out, model, n_params, config, a.steps, "noreshard", extra)
+        results["sft_no_reshard"] = sft
+    if "profile" in sft_runs:
+        table = os.path.join(os.environ.get("OUT", a.out), "sft_profile.txt")
+        wrapper = (os.path.join(REPO, "bench", "profile_step.py"), "--step", "4", "--table", table)
+        steps = max(a.steps, 5)
+        sft = bench_sft(a.out, model, n_params, config, steps, "profile", wrapper=wrapper)
+        results["sft_profiled"] = sft
     sizes = (a.prompts, a.new_tokens)
     runs = a.ppo_runs.split(",")
     if "plain" in runs:

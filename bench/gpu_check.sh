@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of a lent device machine, in one call: the GPU tests, then bench/gpu.py.
-#   bash bench/gpu_check.sh [BENCH_ARGS...]      # e.g. --ppo_runs plain,offload
+#   bash bench/gpu_check.sh [BENCH_ARGS...]   # e.g. --ppo_runs plain,offload --sft_runs plain,profile
 # Made for the lent machines (PyTorch and transformers, no vLLM, no registry; a plain python3),
 # where device time is counted by the second: each part has a time limit of its own, so one that
 # hangs leaves time for the rest, and every log goes to $OUT (or /tmp/gpu_check) as it is written,
