@@ -150,6 +150,7 @@ def bench_sft(work, model, n_params, config, steps, name="plain", extra=(), wrap
     layers = config.num_hidden_layers
     flops_per_token = 6 * n_params + 12 * layers * config.hidden_size * tokens
     result = {"tokens_per_example": tokens, "step_s": step_s, "tokens_per_s": tok_s}
+    result["steps_s"] = [round(r["time/step_s"], 3) for r in timed]  # the spread within a run
     result |= {"mfu": mfu(tok_s * flops_per_token), "peak_gpu_gib": peak}
     print(f"SFT ({name}): {tokens:.0f} tokens/example, {step_s:.3f} s/step, {result}")
     return result

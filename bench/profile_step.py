@@ -34,13 +34,20 @@ def synchronize():
 
 
 def device_busy_s(prof):
-    """Seconds of kernel time on the device in the profile (kernels may overlap across streams:
-    an upper bound of the busy time); 0 on a CPU-only machine."""
-    total_us = 0.0
-    for event in prof.key_averages():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            total_us += event.self_device_time_total
-    return total_us / 1e6
+    """Seconds in which the device ran at least one kernel or copy during the profile: the union
+    of their time intervals (kernels on several streams may overlap; the GPU-side ranges of user
+    annotations such as FSDP's and the optimizer's span other kernels and are left out). 0 on a
+    CPU-only machine."""
+    spans = []
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation:
+            spans.append((event.time_range.start, event.time_range.end))
+    busy_us = 0.0
+    end_us = float("-inf")
+    for start, end in sorted(spans):
+        busy_us += max(0.0, end - max(start, end_us))  # the part not already counted
+        end_us = max(end_us, end)
+    return busy_us / 1e6
 
 
 def profiled(train_step, at_step, table):
