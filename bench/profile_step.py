@@ -27,6 +27,8 @@ import torch.distributed as dist  # noqa: E402
 
 import common  # noqa: E402
 
+STAGES = ("train_sft.py", "train_rm.py", "train_dpo.py")
+
 
 def synchronize():
     if torch.cuda.is_available():
@@ -57,6 +59,7 @@ def profiled(train_step, at_step, table):
     @functools.wraps(train_step)
     def wrapper(*args, **kwargs):
         calls[0] += 1
+        wrapper.calls = calls[0]
         if calls[0] != at_step:
             return train_step(*args, **kwargs)
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -83,6 +86,7 @@ def profiled(train_step, at_step, table):
             print(text)
         return result
 
+    wrapper.calls = 0
     return wrapper
 
 
@@ -93,10 +97,17 @@ def main():
     p.add_argument("stage", help="train_sft.py, train_rm.py or train_dpo.py")
     p.add_argument("stage_args", nargs=argparse.REMAINDER, help="the stage's own flags")
     a = p.parse_args()
-    module = importlib.import_module(os.path.basename(a.stage).removesuffix(".py"))
-    module.train_step = profiled(module.train_step, a.step, a.table)
+    if a.stage not in STAGES:
+        p.error(f"{a.stage}: expected one of {', '.join(STAGES)} (a stage with a train_step)")
+    if a.step < 1:
+        p.error(f"--step {a.step}: expected 1 or more (the first step is 1)")
+    module = importlib.import_module(a.stage.removesuffix(".py"))
+    wrapper = profiled(module.train_step, a.step, a.table)
+    module.train_step = wrapper
     sys.argv = [a.stage, *a.stage_args]
     common.run(module.main, module.Args, module.LIMITS)
+    if wrapper.calls < a.step:  # a resumed run counts from its first step after the checkpoint
+        sys.exit(f"error: --step {a.step}: the run took {wrapper.calls} steps; nothing profiled")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The benchmarks that call checkpoint.py's functions directly still run (bench/ is not a test, but
+"""The benchmarks that call checkpoint.py's functions directly, and bench/profile_step.py, which
+wraps a stage's train_step by name, still run (bench/ is not a test, but
 a benchmark that has stopped running measures nothing: bench/checkpoint_io.py and
 bench/store_io.py failed from 2026-11-25 to 27, unnoticed, after checkpoint.load began to read
 --max_steps from the run's args). Tiny sizes, one repeat: what is checked is that each ends with
@@ -54,3 +55,19 @@ def test_adamw_bench_refuses_too_few_steps():
     assert p.returncode == 2
     assert "--steps 3: expected at least 4" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.slow
+def test_profile_step_writes_the_table(tmp_path):
+    """bench/profile_step.py runs the stage's own main and profiles the step asked for; a --step
+    the run never reaches is one line, not a silent run without a table."""
+    table = tmp_path / "profile.txt"
+    stage = ("train_sft.py", "--max_steps", 2, "--eval_every", 0, "--save_every", 100)
+    stage += ("--train_batch_size", 8, "--micro_batch_size", 4)
+    wrapper = ("bench/profile_step.py", "--table", table)
+    run(*wrapper, "--step", 2, *stage, "--out_dir", tmp_path / "a", nproc=1)
+    text = table.read_text()
+    assert text.startswith("step 2: ") and "aten::mm" in text, text[:2000]
+    p = run(*wrapper, "--step", 3, *stage, "--out_dir", tmp_path / "b", nproc=1, check=False)
+    assert p.returncode != 0
+    assert "error: --step 3: the run took 2 steps; nothing profiled" in p.stderr + p.stdout
