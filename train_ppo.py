@@ -524,6 +524,26 @@ def frozen_fingerprints(models, device):
     return frozen
 
 
+def same_reward_norm(meta, models, where, args):
+    """Raises unless the reward model's normalisation (its config.json's reward_mean and
+    reward_std, read again from --reward_model's folder at a resume) is the one the run began
+    with. The weights' fingerprint cannot see it: a config.json edited or re-exported with other
+    statistics would silently rescale the reward, and with it what --kl_coef means, mid-run.
+    meta.json records it since 2026-11-27; an older checkpoint has no record to compare."""
+    if "reward_norm" not in meta:
+        return
+    saved = meta["reward_norm"]
+    now = None
+    if models.reward_norm is not None:
+        now = list(models.reward_norm)
+    if saved != now:
+        raise checkpoint.CheckpointError(
+            f"--reward_model {args.reward_model}: its config.json's (reward_mean, reward_std) "
+            f"are {now}, the run at {where} started with {saved!r:.200}: the reward's scale "
+            "would change mid-run; give the folder as it was, or start a new run from it"
+        )
+
+
 def logprob_diff_threshold(flag, device):
     """The mean gap between the engine's and the actor's logprobs above which PPO warns: the
     flag, or by default what a right engine stays well under. On CPU engine and actor compute in
@@ -1179,6 +1199,7 @@ def main(args):
     final = checkpoint.resolve(args.out_dir, args.resume)
     if final:  # the RNG is restored last, inside load
         meta = checkpoint.load(final, roles, vars(args), MUST_MATCH, frozen)
+        same_reward_norm(meta, models, final, args)
         kl_coef = restore_schedules(meta, scheds, f"{final}/meta.json", args)
         start = meta["step"]
         rollout.sync_weights(engine, models.actor)  # the engine started from --model: resume it
@@ -1265,6 +1286,7 @@ def main(args):
             "epoch": epoch,
             "consumed_prompts": step * args.rollout_batch_size,
             "frozen": frozen,
+            "reward_norm": models.reward_norm,  # (mean, std) or None: same_reward_norm checks it
         }
         hf_objs = (models.actor.config, tok, export_generation_config)
         saved, stop = common.end_of_step(args, step, device, roles, meta, hf_objs)

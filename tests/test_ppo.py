@@ -150,6 +150,36 @@ def test_resume_checks_the_reward_model_is_the_one_the_run_began_with(tmp_path, 
     assert_one_line_error(p, f"--reward_model {rm_dir}: its weights are not those", name)
 
 
+def test_resume_checks_the_reward_models_normalisation(tmp_path, sft_model):
+    """The reward model's config.json is read again at a resume too: other reward_mean/reward_std
+    there (the weights unchanged, so the fingerprint above cannot see it) would rescale the reward
+    mid-run. One line naming them; with the statistics as they were, the resume goes on."""
+    from transformers import AutoConfig
+    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoTokenizer
+
+    cfg = AutoConfig.from_pretrained(task.TINY_MODEL, num_labels=1)
+    cfg.reward_mean = 0.5
+    cfg.reward_std = 2.0
+    torch.manual_seed(0)
+    rm_dir = tmp_path / "rm"
+    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(rm_dir)
+    AutoTokenizer.from_pretrained(task.TINY_MODEL).save_pretrained(rm_dir)
+    out = str(tmp_path / "run")
+    flags = ("--advantage_estimator", "grpo", "--reward_model", rm_dir, "--rollout_engine", "hf")
+    flags += ("--max_steps", 2, "--eval_every", 0, "--eval_samples", 0)
+    p = run_py("train_ppo.py", *ppo(out, sft_model, *flags, "--stop_at_step", 1))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.load(open(os.path.join(latest(out), "meta.json")))["reward_norm"] == [0.5, 2.0]
+    config = json.load(open(rm_dir / "config.json"))
+    json.dump({**config, "reward_std": 3.0}, open(rm_dir / "config.json", "w"))
+    p = run_py("train_ppo.py", *ppo(out, sft_model, *flags, "--resume", "latest"))
+    assert_one_line_error(p, "(reward_mean, reward_std) are [0.5, 3.0]", "started with [0.5, 2.0]")
+    json.dump(config, open(rm_dir / "config.json", "w"))
+    p = run_py("train_ppo.py", *ppo(out, sft_model, *flags, "--resume", "latest"))
+    assert p.returncode == 0 and "at step 1" in p.stdout, p.stderr[-2000:]
+
+
 # (A plain "gae" case, 2 epochs without a reference, took ~36 s and checked nothing these two do
 # not: grpo takes step (3)'s path without a reference, gae-one-update the critic's.)
 @pytest.mark.parametrize("estimator", ["grpo", "gae-one-update"])
