@@ -124,15 +124,16 @@ def test_grpo_with_reward_model_and_hf_engine(tmp_path, sft_model):
     assert meta["roles"] == ["actor"]  # no critic
 
 
-def test_resume_checks_the_reward_model_is_the_one_the_run_began_with(tmp_path, sft_model):
-    """The frozen models come from their folders again at a resume: a --reward_model folder whose
-    weights changed since the run began is one line naming it, not a run that goes on against
-    another reward (the reference, from --model, unchanged, passes the same check)."""
+def stopped_against_a_random_reward_model(tmp_path, sft_model, **stats):
+    """A random tiny reward model in tmp_path/rm (its config.json with `stats`, if any), and a
+    GRPO run against it stopped after step 1; returns (rm_dir, out_dir, the run's flags)."""
     from transformers import AutoConfig
     from transformers import AutoModelForSequenceClassification
     from transformers import AutoTokenizer
 
     cfg = AutoConfig.from_pretrained(task.TINY_MODEL, num_labels=1)
+    for key, value in stats.items():  # from_pretrained drops keys its config class lacks
+        setattr(cfg, key, value)
     torch.manual_seed(0)
     rm_dir = tmp_path / "rm"
     AutoModelForSequenceClassification.from_config(cfg).save_pretrained(rm_dir)
@@ -142,6 +143,14 @@ def test_resume_checks_the_reward_model_is_the_one_the_run_began_with(tmp_path, 
     flags += ("--max_steps", 2, "--eval_every", 0, "--eval_samples", 0)
     p = run_py("train_ppo.py", *ppo(out, sft_model, *flags, "--stop_at_step", 1))
     assert p.returncode == 0, p.stderr[-2000:]
+    return rm_dir, out, flags
+
+
+def test_resume_checks_the_reward_model_is_the_one_the_run_began_with(tmp_path, sft_model):
+    """The frozen models come from their folders again at a resume: a --reward_model folder whose
+    weights changed since the run began is one line naming it, not a run that goes on against
+    another reward (the reference, from --model, unchanged, passes the same check)."""
+    rm_dir, out, flags = stopped_against_a_random_reward_model(tmp_path, sft_model)
     weights = load_file(rm_dir / "model.safetensors")
     name = sorted(weights)[-1]
     weights[name] = weights[name] + 1e-3
@@ -154,22 +163,8 @@ def test_resume_checks_the_reward_models_normalisation(tmp_path, sft_model):
     """The reward model's config.json is read again at a resume too: other reward_mean/reward_std
     there (the weights unchanged, so the fingerprint above cannot see it) would rescale the reward
     mid-run. One line naming them; with the statistics as they were, the resume goes on."""
-    from transformers import AutoConfig
-    from transformers import AutoModelForSequenceClassification
-    from transformers import AutoTokenizer
-
-    cfg = AutoConfig.from_pretrained(task.TINY_MODEL, num_labels=1)
-    cfg.reward_mean = 0.5
-    cfg.reward_std = 2.0
-    torch.manual_seed(0)
-    rm_dir = tmp_path / "rm"
-    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(rm_dir)
-    AutoTokenizer.from_pretrained(task.TINY_MODEL).save_pretrained(rm_dir)
-    out = str(tmp_path / "run")
-    flags = ("--advantage_estimator", "grpo", "--reward_model", rm_dir, "--rollout_engine", "hf")
-    flags += ("--max_steps", 2, "--eval_every", 0, "--eval_samples", 0)
-    p = run_py("train_ppo.py", *ppo(out, sft_model, *flags, "--stop_at_step", 1))
-    assert p.returncode == 0, p.stderr[-2000:]
+    stats = {"reward_mean": 0.5, "reward_std": 2.0}
+    rm_dir, out, flags = stopped_against_a_random_reward_model(tmp_path, sft_model, **stats)
     assert json.load(open(os.path.join(latest(out), "meta.json")))["reward_norm"] == [0.5, 2.0]
     config = json.load(open(rm_dir / "config.json"))
     json.dump({**config, "reward_std": 3.0}, open(rm_dir / "config.json", "w"))
