@@ -34,6 +34,7 @@ import math
 import os
 import pickle
 import random
+import re
 import shutil
 import socket
 import stat
@@ -740,6 +741,7 @@ def read_meta(path, step=None):
         "args": type(meta.get("args")) is dict,
         "scheduler": "scheduler" not in meta or _schedules_at(meta["scheduler"], saved_step),
         "frozen": "frozen" not in meta or _is_fingerprints(meta["frozen"]),
+        "folders": "folders" not in meta or _is_folder_records(meta["folders"]),
     }
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
@@ -790,6 +792,28 @@ def _is_fingerprints(value):
             # take (an OverflowError, not a damaged checkpoint)
             if type(number) is not float or not math.isfinite(number):
                 return False
+    return True
+
+
+def _is_folder_records(value):
+    """Whether meta.json's "folders" is {flag: {"config": JSON object text, "generation": JSON
+    object text or "null", "tokenizer": sha256 hex}}, as `common.folder_identity` makes them."""
+    if type(value) is not dict:
+        return False
+    for record in value.values():
+        if type(record) is not dict or set(record) != {"config", "generation", "tokenizer"}:
+            return False
+        if not all(type(text) is str for text in record.values()):
+            return False
+        try:
+            config = json.loads(record["config"])
+            generation = json.loads(record["generation"])
+        except (ValueError, RecursionError):
+            return False
+        if type(config) is not dict or type(generation) not in (dict, type(None)):
+            return False
+        if re.fullmatch(r"[0-9a-f]{64}", record["tokenizer"]) is None:
+            return False
     return True
 
 
@@ -1376,11 +1400,13 @@ def _choose(paths, resume):
     return "", None
 
 
-def load(path, roles, args, must_match, frozen=None):
+def load(path, roles, args, must_match, frozen=None, folders=None):
     """Collective: every role's model and optimizer in place, then this rank's RNG (so call it
     after anything that draws from the RNG: engines, iterators); returns meta.json.
     frozen: {flag: common.weights_fingerprint} of the frozen models this run loaded from the
-    folders those flags name, checked against the run's start (the same on every rank)."""
+    folders those flags name, checked against the run's start (the same on every rank).
+    folders: {flag: common.folder_identity} of every folder this run loaded a model from, checked
+    the same way (config, generation config, tokenizer)."""
     meta = read_meta(path)  # resolve() verified the whole checkpoint already
     diff = []
     for k in must_match:
@@ -1392,6 +1418,8 @@ def load(path, roles, args, must_match, frozen=None):
         )
     for flag, sums in (frozen or {}).items():
         _same_frozen_weights(path, meta.get("frozen", {}).get(flag), sums, f"--{flag}", args)
+    for flag, identity in (folders or {}).items():
+        _same_folder(path, meta.get("folders", {}).get(flag), identity, f"--{flag}", args)
     if meta["step"] > args["max_steps"]:  # the loop would not run, and nothing be exported
         raise CheckpointError(
             f"{path} is at step {meta['step']}, past --max_steps {args['max_steps']}: nothing to "
@@ -1441,6 +1469,47 @@ def _same_frozen_weights(path, saved, now, flag, args):
             f"({len(changed)} tensors differ, e.g. {changed[0]}): the run would go on against "
             "another frozen model; give the folder as it was, or start a new run from it"
         )
+
+
+def _same_folder(path, saved, now, flag, args):
+    """Raises unless `flag`'s folder still holds the config.json, generation_config.json and
+    tokenizer the run at `path` started with (`common.folder_identity`), naming what changed.
+    saved None: a checkpoint from before these were recorded (2026-11-27)."""
+    if saved is None:
+        return
+    changed = _changed_settings("config.json", saved["config"], now["config"])
+    changed += _changed_settings("generation_config.json", saved["generation"], now["generation"])
+    if saved["tokenizer"] != now["tokenizer"]:
+        changed.append("the tokenizer (vocabulary, special tokens or chat template)")
+    if changed:
+        shown = "; ".join(changed[:3])
+        if len(changed) > 3:
+            shown += f"; {len(changed) - 3} more"
+        raise CheckpointError(
+            f"{flag} {args[flag[2:]]}: not the folder the run at {path} started with ({shown}): "
+            "the run would go on with another model; give the folder as it was, or start a new "
+            "run from it"
+        )
+
+
+def _changed_settings(name, saved, now):
+    """["<name>'s <key> <old> -> <new>", ...] between two `common.settings_json` texts (or
+    "null", no such file); read_meta checked the saved one parses."""
+    old = json.loads(saved)
+    new = json.loads(now)
+    if old == new:
+        return []
+    if old is None:
+        return [f"{name} added"]
+    if new is None:
+        return [f"{name} removed"]
+    changed = []
+    for key in sorted(set(old) | set(new)):
+        if old.get(key, "(absent)") != new.get(key, "(absent)"):
+            before = repr(old.get(key, "(absent)"))[:60]
+            after = repr(new.get(key, "(absent)"))[:60]
+            changed.append(f"{name}'s {key} {before} -> {after}")
+    return changed
 
 
 def _hyperparameters(optim):

@@ -21,6 +21,7 @@ import dataclasses
 import datetime
 import functools
 import gc
+import hashlib
 import importlib.util
 import inspect
 import io
@@ -388,6 +389,66 @@ def weights_fingerprint(model, device):
     return dict(zip(names, sums.tolist()))
 
 
+# Keys of a config's to_dict() that say how and where a folder was written, not what the model
+# computes: transformers' version and the dtype the weights were stored in (every stage loads
+# fp32 master weights); keys starting with "_" (the folder's path, transformers' own notes) too.
+UNREAD_CONFIG_KEYS = ("transformers_version", "dtype", "torch_dtype")
+
+
+def settings_json(settings):
+    """A config's (or generation config's) to_dict() as canonical JSON (sorted keys), less the
+    keys that say how it was written: two folders whose files were saved by other transformers
+    versions, or at other paths, give the same text when their models compute the same."""
+    kept = {}
+    for key, value in settings.items():
+        if not key.startswith("_") and key not in UNREAD_CONFIG_KEYS:
+            kept[key] = value
+    return json.dumps(kept, sort_keys=True)
+
+
+def tokenizer_digest(tok):
+    """sha256 of what a tokenizer turns text into: its backend's whole serialisation (vocabulary,
+    merges, normaliser, pre-tokeniser, post-processor, added tokens), the chat template and the
+    special tokens. Of a freshly loaded tokenizer only: calling one with padding changes its
+    backend's serialisation (the padding settings are part of it)."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        vocabulary = backend.to_str()
+    else:  # a slow (pure Python) tokenizer: its vocabulary is what can be read from outside
+        vocabulary = json.dumps(sorted(tok.get_vocab().items()))
+    special = {}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        special[name] = str(getattr(tok, name, None))
+    parts = [vocabulary, json.dumps(tok.chat_template, sort_keys=True), json.dumps(special)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def folder_identity(path, flag="--model"):
+    """{"config", "generation", "tokenizer"} of an HF folder: what a resume reads from it again
+    besides the weights, read from its files anew (not from objects the run has since changed).
+
+    A resume builds every model from its folder's config.json before the checkpoint's weights go
+    in, and tokenises with the folder's tokenizer; a frozen model's weights come from the folder
+    too (`weights_fingerprint`). meta.json keeps this record of each folder a run loads, and
+    `checkpoint.load` refuses a resume whose folder now says otherwise: another rope_theta or
+    rms_norm_eps, stop ids, chat template or vocabulary would change the run mid-way with the
+    weights unchanged. "generation" is "null" for a folder without generation_config.json."""
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False).to_dict()
+        generation = None
+        if os.path.isfile(os.path.join(path, "generation_config.json")):
+            generation = GenerationConfig.from_pretrained(path).to_dict()
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    # the stage loaded these a moment ago: only a folder changed in between fails here
+    except Exception as e:
+        raise SystemExit(load_error(path, e, flag))
+    identity = {"config": settings_json(config), "generation": "null"}
+    if generation is not None:
+        identity["generation"] = settings_json(generation)
+    identity["tokenizer"] = tokenizer_digest(tok)
+    return identity
+
+
 # ---- the metrics log -----------------------------------------------------------------------------
 class MetricsLog:
     """<out_dir>/metrics.jsonl, one {"step": ..., "<group>/<name>": ...} per line (rank 0 writes);
@@ -557,12 +618,19 @@ def check_fits(tok, text, max_tokens, where):
         )
 
 
-def encode_prompt(tok, prompt):
-    """Token ids of a prompt: the chat template's user turn when the tokenizer has one."""
-    if tok.chat_template:
-        messages = [{"role": "user", "content": prompt}]
+def encode_prompt(tok, prompt, where):
+    """Token ids of a prompt: the chat template's user turn when the tokenizer has one. A
+    template that fails on this prompt (a `raise_exception` on some content, a filter that
+    cannot take it; `check_chat_template` tried one prompt only) is one line naming `where`."""
+    if not tok.chat_template:
+        return tok(prompt).input_ids
+    messages = [{"role": "user", "content": prompt}]
+    try:
         return tok.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
-    return tok(prompt).input_ids
+    except Exception as e:  # jinja's TemplateError, or what a filter raised: the template's
+        raise SystemExit(
+            f"error: {where}: the chat template fails on this prompt ({checkpoint.describe(e)})"
+        )
 
 
 def check_prompt_ids(ids, where):
@@ -578,7 +646,8 @@ def check_prompt_ids(ids, where):
 def prompt_text(tok, prompt):
     """The text encode_prompt's ids spell, less the special tokens the tokenizer adds itself (a
     BOS): the chat template's rendering (which apply_chat_template tokenizes without adding any),
-    or the prompt as given."""
+    or the prompt as given. Called after encode_prompt of the same prompt, which checked the
+    template renders it."""
     if tok.chat_template:
         messages = [{"role": "user", "content": prompt}]
         return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -611,7 +680,7 @@ def encode_pair(tok, row, max_len, where):
     if it does not fit the context."""
     longest = max(row["chosen"], row["rejected"], key=len)
     check_fits(tok, row["prompt"] + longest, max_len, where)
-    prompt = encode_prompt(tok, row["prompt"])
+    prompt = encode_prompt(tok, row["prompt"], where)
     sequences = []
     for name in ("chosen", "rejected"):
         response = encode_response(tok, row["prompt"], row[name])
@@ -707,7 +776,9 @@ def check_held_out(tok, examples, max_len):
     budget = 1 + lengths[longest]  # as decode_budget counts it
     for where, example in examples:
         check_fits(tok, example["prompt"], max(max_len - budget, 1), where)
-        n_prompt = len(encode_prompt(tok, example["prompt"]))
+        ids = encode_prompt(tok, example["prompt"], where)
+        check_prompt_ids(ids, where)  # greedy_accuracy cannot generate from nothing
+        n_prompt = len(ids)
         if n_prompt + budget > max_len:
             raise SystemExit(
                 f"error: {where}: the prompt's {n_prompt} tokens and the {budget} the held-out "
@@ -745,7 +816,8 @@ def greedy_accuracy(model, tok, examples, stop_ids, device, batch_size=64):
     right = []  # per example of `mine`
     for start in range(0, len(mine), batch_size):
         chunk = mine[start : start + batch_size]
-        prompts = {"input_ids": [encode_prompt(tok, e["prompt"]) for e in chunk]}
+        # (check_held_out encoded each prompt once already: none fails here)
+        prompts = {"input_ids": [encode_prompt(tok, e["prompt"], "held out") for e in chunk]}
         enc = tok.pad(prompts, padding_side="left", return_tensors="pt").to(device)
         # synced_gpus: every forward of a sharded model is a collective; ranks step until all stop
         out = model.generate(
@@ -889,6 +961,7 @@ def load_model_and_tokenizer(
     Every weight the model needs must come from the folder, except, with new_head, the classifier
     head (a critic or reward model started from a causal LM): transformers would otherwise start a
     missing weight from random numbers and only log it, which the quiet console hides.
+    `model.fresh_head` says whether the folder lacked the head (`check_all_loaded`).
 
     A tokenizer without a PAD token (Llama 3 base, GPT-2) gets EOS as its PAD. That is safe here:
     every mask in plainrlhf is built from sequence lengths, never from `input_ids == pad_id`, so a
@@ -910,7 +983,7 @@ def load_model_and_tokenizer(
         kwargs["attn_implementation"] = attention
     check_num_labels(path, config, kwargs.get("num_labels"), flag)
     model, info = load_weights(path, classifier_class(config, cls), kwargs, flag)
-    check_all_loaded(path, info["missing_keys"], new_head, flag)
+    model.fresh_head = check_all_loaded(path, info["missing_keys"], new_head, flag)
     check_generation_config(path, model, flag)
     if tok.eos_token_id is None:
         raise SystemExit(f"error: {flag} {path}: the tokenizer has no EOS token")
@@ -1061,17 +1134,24 @@ def head_on_the_output_width(generic):
     return __init__
 
 
+# The one-output heads of transformers' classifiers (`value_head`), by their weights' prefixes.
+CLASSIFIER_HEADS = ("score.", "classifier.")
+
+
 def check_all_loaded(path, missing, new_head, flag="--model"):
     """One line if the folder lacked weights the model needs; with new_head, the classifier head
-    (`score`, `classifier`) may be new."""
-    heads = ("score.", "classifier.")
-    lacking = [k for k in missing if not (new_head and k.startswith(heads))]
+    (`score`, `classifier`) may be new. Returns whether it is: transformers then drew it from
+    this rank's RNG (a causal LM's folder has none), where a reward model trained on has its
+    own; found from what loaded, not from config.json's "architectures", which a hand-edited
+    folder may get wrong (a string, or missing)."""
+    lacking = [k for k in missing if not (new_head and k.startswith(CLASSIFIER_HEADS))]
     if lacking:
         shown = ", ".join(sorted(lacking)[:3])
         raise SystemExit(
             f"error: {flag} {path}: the folder has no weights for {shown} ({len(lacking)} "
             "missing); is it a model of this kind (a reward model for --reward_model)?"
         )
+    return any(k.startswith(CLASSIFIER_HEADS) for k in missing)
 
 
 def value_head(model):
@@ -1157,7 +1237,13 @@ def response_end_id(tok):
     <end_of_turn>, Phi-3's <|end|>), that token, which may not be the tokenizer's EOS (Gemma's
     <eos>, Qwen2.5 base's <|endoftext|>): a model tuned from a chat model keeps ending its turns
     as it was taught. Otherwise, and without a template, the tokenizer's EOS."""
-    return _response_end_id(tok, tok.chat_template)
+    template = tok.chat_template
+    if isinstance(template, dict):
+        # named templates (chat_template.jinja beside additional_chat_templates/, Command-R's
+        # "default" and "tool_use"): transformers renders the "default" one; the cache needs
+        # a hashable key
+        template = tuple(sorted(template.items()))
+    return _response_end_id(tok, template)
 
 
 @functools.cache  # per tokenizer and template (SFT asks once per example)

@@ -320,13 +320,15 @@ def main(args):
     roles = {"model": (model, optim)}  # the reference is the export itself: never saved
     # so a resume checks that --model's folder still holds it (`checkpoint.load`)
     frozen = {"model": common.weights_fingerprint(reference, device)}
+    # and that its config.json, generation config and tokenizer are those the run began with
+    folders = {"model": common.folder_identity(args.model)}
 
     start = 0
     final = checkpoint.resolve(args.out_dir, args.resume)
     if final:  # the RNG is restored last, inside load: nothing may draw from it before step 1
         must_match = ["model", "data", "seed", "train_batch_size", "micro_batch_size"]
         must_match += ["beta", "label_smoothing", "loss_type"]
-        meta = checkpoint.load(final, roles, vars(args), must_match, frozen)
+        meta = checkpoint.load(final, roles, vars(args), must_match, frozen, folders)
         checkpoint.restore_scheduler(sched, meta.get("scheduler"), f"{final}/meta.json")
         start = meta["step"]
         common.print0(f"resumed from {final} at step {start}")
@@ -364,6 +366,7 @@ def main(args):
             "epoch": epoch,
             "consumed_samples": step * args.train_batch_size,
             "frozen": frozen,
+            "folders": folders,
         }
         hf_objs = (model.config, tok, export_generation_config)
         saved, stop = common.end_of_step(args, step, device, roles, meta, hf_objs)

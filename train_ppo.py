@@ -524,24 +524,15 @@ def frozen_fingerprints(models, device):
     return frozen
 
 
-def same_reward_norm(meta, models, where, args):
-    """Raises unless the reward model's normalisation (its config.json's reward_mean and
-    reward_std, read again from --reward_model's folder at a resume) is the one the run began
-    with. The weights' fingerprint cannot see it: a config.json edited or re-exported with other
-    statistics would silently rescale the reward, and with it what --kl_coef means, mid-run.
-    meta.json records it since 2026-11-27; an older checkpoint has no record to compare."""
-    if "reward_norm" not in meta:
-        return
-    saved = meta["reward_norm"]
-    now = None
-    if models.reward_norm is not None:
-        now = list(models.reward_norm)
-    if saved != now:
-        raise checkpoint.CheckpointError(
-            f"--reward_model {args.reward_model}: its config.json's (reward_mean, reward_std) "
-            f"are {now}, the run at {where} started with {saved!r:.200}: the reward's scale "
-            "would change mid-run; give the folder as it was, or start a new run from it"
-        )
+def folder_identities(args):
+    """{flag: common.folder_identity} of every folder this run loads a model from, kept in
+    meta.json: a resume builds the models from those folders' config.json again, tokenises with
+    their tokenizers and normalises the reward with --reward_model's reward_mean/reward_std, and
+    `checkpoint.load` checks all of it is what the run began with."""
+    folders = {"model": common.folder_identity(args.model)}
+    if args.reward_model:
+        folders["reward_model"] = common.folder_identity(args.reward_model, "--reward_model")
+    return folders
 
 
 def logprob_diff_threshold(flag, device):
@@ -607,9 +598,10 @@ def finite_number(value):
     return value
 
 
-def load_prompts(rows, tok, max_new_tokens, context):
+def load_prompts(rows, tok, max_new_tokens, context, reward_tok=None):
     """[(prompt token ids, prompt text)] of [(where, {"prompt"})] rows; a prompt with no room for
-    a response is an error naming its row."""
+    a response is an error naming its row, and so is one the reward model's chat template
+    (`reward_tok`, if it has its own) fails on: found now, not at the rollout that samples it."""
     if max_new_tokens >= context:  # no prompt fits: say so, not that the first prompt is long
         raise SystemExit(
             f"error: --max_new_tokens {max_new_tokens}: the model's context holds {context} "
@@ -618,8 +610,10 @@ def load_prompts(rows, tok, max_new_tokens, context):
     items = []
     for where, row in rows:
         common.check_fits(tok, row["prompt"], context - max_new_tokens, where)
-        ids = common.encode_prompt(tok, row["prompt"])
+        ids = common.encode_prompt(tok, row["prompt"], where)
         common.check_prompt_ids(ids, where)
+        if reward_tok is not None:
+            common.encode_prompt(reward_tok, row["prompt"], f"{where} (--reward_model)")
         if len(ids) + max_new_tokens > context:
             raise SystemExit(
                 f"error: {where}: prompt of {len(ids)} tokens + --max_new_tokens "
@@ -629,8 +623,9 @@ def load_prompts(rows, tok, max_new_tokens, context):
     return items
 
 
-def load_data(args, tok, context):
-    """(training prompts, held-out prompts), each [(token ids, text)]."""
+def load_data(args, tok, context, reward_tok):
+    """(training prompts, held-out prompts), each [(token ids, text)]; reward_tok: the reward
+    model's tokenizer, or None."""
     if args.data:
         train_rows = common.load_jsonl(args.data, ("prompt",))
     else:
@@ -642,8 +637,8 @@ def load_data(args, tok, context):
     else:
         held_out_rows = common.numbered("embedded task", task.make_split("test"))
     new = args.max_new_tokens
-    train = load_prompts(train_rows, tok, new, context)
-    held_out = load_prompts(held_out_rows[: args.eval_samples], tok, new, context)
+    train = load_prompts(train_rows, tok, new, context, reward_tok)
+    held_out = load_prompts(held_out_rows[: args.eval_samples], tok, new, context, reward_tok)
     if len(train) < args.rollout_batch_size:
         raise SystemExit(
             f"error: {args.data or 'embedded task'}: {len(train)} prompts, fewer than "
@@ -794,7 +789,7 @@ def reward_model_inputs(reward_tok, prompt_texts, response_texts, finished):
     (prompt, response, end)."""
     sequences = []
     for prompt, response, ended in zip(prompt_texts, response_texts, finished):
-        ids = common.encode_prompt(reward_tok, prompt)
+        ids = common.encode_prompt(reward_tok, prompt, "--reward_model")  # load_prompts tried it
         ids = ids + common.encode_response(reward_tok, prompt, response)
         if ended:
             ids = ids + [common.response_end_id(reward_tok)]
@@ -1174,10 +1169,12 @@ def main(args):
 
     models, tok, roles = build_models(args, device)
     frozen = frozen_fingerprints(models, device)
+    folders = folder_identities(args)
     scheds = {}
     for name, (_, optim) in roles.items():
         scheds[name] = get_linear_schedule_with_warmup(optim, args.warmup_steps, args.max_steps)
-    train, held_out = load_data(args, tok, common.context_length(args.model, models.actor.config))
+    context = common.context_length(args.model, models.actor.config)
+    train, held_out = load_data(args, tok, context, models.reward_tokenizer)
 
     stop_ids = common.stop_token_ids(tok, models.actor.generation_config)
     # the export stops where responses end (a chat template's end of turn may not be listed)
@@ -1198,8 +1195,7 @@ def main(args):
     kl_coef = args.kl_coef  # beta; the adaptive controller moves it [N policy #11]
     final = checkpoint.resolve(args.out_dir, args.resume)
     if final:  # the RNG is restored last, inside load
-        meta = checkpoint.load(final, roles, vars(args), MUST_MATCH, frozen)
-        same_reward_norm(meta, models, final, args)
+        meta = checkpoint.load(final, roles, vars(args), MUST_MATCH, frozen, folders)
         kl_coef = restore_schedules(meta, scheds, f"{final}/meta.json", args)
         start = meta["step"]
         rollout.sync_weights(engine, models.actor)  # the engine started from --model: resume it
@@ -1286,7 +1282,7 @@ def main(args):
             "epoch": epoch,
             "consumed_prompts": step * args.rollout_batch_size,
             "frozen": frozen,
-            "reward_norm": models.reward_norm,  # (mean, std) or None: same_reward_norm checks it
+            "folders": folders,
         }
         hf_objs = (models.actor.config, tok, export_generation_config)
         saved, stop = common.end_of_step(args, step, device, roles, meta, hf_objs)

@@ -263,8 +263,7 @@ def build_reward_model(args):
     )
     # A causal LM folder has no reward head: transformers made one from the global RNG, which
     # differs per rank. A sequence classifier's own head (a reward model trained on) is kept.
-    architectures = model.config.architectures or []
-    if not any(name.endswith("ForSequenceClassification") for name in architectures):
+    if model.fresh_head:
         init_reward_head(common.value_head(model), args.seed)
     # The export's pad id, for plain transformers' batched scoring; ours reads the mask.
     model.config.pad_token_id = tok.pad_token_id
@@ -318,13 +317,16 @@ def main(args):
     sched = get_cosine_schedule_with_warmup(optim, args.warmup_steps, args.max_steps)
     roles = {"reward_model": (model, optim)}
 
+    # a resume builds the model from --model's config.json and tokenises with its tokenizer
+    # again: they must be those the run began with (`checkpoint.load`)
+    folders = {"model": common.folder_identity(args.model)}
     start = 0
     final = checkpoint.resolve(args.out_dir, args.resume)
     if final:  # the RNG is restored last, inside load: nothing may draw from it before step 1
         # --pairs_per_prompt makes the embedded training set (its size orders the batches)
         must_match = ["model", "data", "seed", "train_batch_size", "micro_batch_size", "margin"]
         must_match += ["pairs_per_prompt"]
-        meta = checkpoint.load(final, roles, vars(args), must_match)
+        meta = checkpoint.load(final, roles, vars(args), must_match, folders=folders)
         checkpoint.restore_scheduler(sched, meta.get("scheduler"), f"{final}/meta.json")
         start = meta["step"]
         common.print0(f"resumed from {final} at step {start}")
@@ -356,6 +358,7 @@ def main(args):
             "scheduler": sched.state_dict(),
             "epoch": epoch,
             "consumed_samples": step * args.train_batch_size,
+            "folders": folders,
         }
         saved, stop = common.end_of_step(args, step, device, roles, meta, (model.config, tok))
         if step == args.max_steps:

@@ -93,7 +93,7 @@ def encode(tok, example, max_len, where):
     chat template's end of turn: `common.response_end_id`), which the loss is taken on. `where`
     names the example in the error if it does not fit the context."""
     common.check_fits(tok, example["prompt"] + example["response"], max_len, where)
-    prompt = common.encode_prompt(tok, example["prompt"])
+    prompt = common.encode_prompt(tok, example["prompt"], where)
     common.check_prompt_ids(prompt, where)
     response = common.encode_response(tok, example["prompt"], example["response"])
     response = response + [common.response_end_id(tok)]  # EOS, or the template's end of turn
@@ -251,11 +251,14 @@ def main(args):
     sched = get_cosine_schedule_with_warmup(optim, args.warmup_steps, args.max_steps)
     roles = {"model": (model, optim)}
 
+    # a resume builds the model from --model's config.json and tokenises with its tokenizer
+    # again: they must be those the run began with (`checkpoint.load`)
+    folders = {"model": common.folder_identity(args.model)}
     start = 0
     final = checkpoint.resolve(args.out_dir, args.resume)
     if final:  # the RNG is restored last, inside load: nothing may draw from it before step 1
         must_match = ["model", "data", "seed", "train_batch_size", "micro_batch_size"]
-        meta = checkpoint.load(final, roles, vars(args), must_match)
+        meta = checkpoint.load(final, roles, vars(args), must_match, folders=folders)
         checkpoint.restore_scheduler(sched, meta.get("scheduler"), f"{final}/meta.json")
         start = meta["step"]
         common.print0(f"resumed from {final} at step {start}")
@@ -288,6 +291,7 @@ def main(args):
             "scheduler": sched.state_dict(),
             "epoch": epoch,
             "consumed_samples": step * args.train_batch_size,
+            "folders": folders,
         }
         hf_objs = (model.config, tok, export_generation_config)
         saved, stop = common.end_of_step(args, step, device, roles, meta, hf_objs)

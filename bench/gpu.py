@@ -94,7 +94,7 @@ def sft_data(path, tok, n, prompt_chars, response_chars):
             prompt = "".join(rng.choice("0123456789+=") for _ in range(prompt_chars))
             response = "".join(rng.choice("0123456789") for _ in range(response_chars))
             f.write(json.dumps({"prompt": prompt, "response": response}) + "\n")
-            n_prompt = len(common.encode_prompt(tok, prompt))
+            n_prompt = len(common.encode_prompt(tok, prompt, "bench"))
             lengths.append(n_prompt + len(tok(response, add_special_tokens=False).input_ids) + 1)
     return statistics.mean(lengths)
 

@@ -56,7 +56,7 @@ def main(policy_dir, k="16"):
     rows = task.make_split("test")[:N_PROMPTS]
     totals = {"greedy": 0.0, "pass": 0.0, "sampled": 0.0, "room": 0.0}
     for row in rows:
-        prompt_ids = common.encode_prompt(tok, row["prompt"])
+        prompt_ids = common.encode_prompt(tok, row["prompt"], "held out")
         greedy = task.reward_fn(row["prompt"], answers(policy, tok, prompt_ids, 1, False)[0])
         samples = answers(policy, tok, prompt_ids, k, True)
         right = [task.reward_fn(row["prompt"], text) for text in samples]  # [k] of 0/1

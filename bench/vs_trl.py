@@ -101,7 +101,7 @@ def ours_sft(work, steps, batch):
     tok = AutoTokenizer.from_pretrained(model)
 
     def n_tokens(r):
-        prompt = common.encode_prompt(tok, r["prompt"])
+        prompt = common.encode_prompt(tok, r["prompt"], "bench")
         response = tok(r["completion"], add_special_tokens=False).input_ids
         return len(prompt) + len(response) + 1  # prompt, response, EOS
 

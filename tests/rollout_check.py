@@ -50,7 +50,7 @@ def main(path):
     hf = rollout.build_engine("hf", path, 64, 0, stop_ids, attn_implementation=attention)
     actor = common.shard_model(model.eval(), device)
     examples = task.make_split("test")[rank * 6 : rank * 6 + 6]
-    prompts = [common.encode_prompt(tok, e["prompt"]) for e in examples]
+    prompts = [common.encode_prompt(tok, e["prompt"], "test") for e in examples]
     seeds = [rollout.prompt_seed(0, 1, rank * 6 + i) for i in range(6)]
 
     # 1. Greedy: identical token ids from both engines.

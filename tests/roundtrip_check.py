@@ -70,7 +70,7 @@ def main(folder):
     pad_id = tok.pad_token_id
     if pad_id is None:  # as training does (common.load_model_and_tokenizer)
         pad_id = tok.eos_token_id
-    prompts = [common.encode_prompt(tok, f"{a}+{b}=") for a, b in pairs]
+    prompts = [common.encode_prompt(tok, f"{a}+{b}=", "test") for a, b in pairs]
     hf = hf_greedy(folder, prompts, stop_ids, pad_id)
     vl = vllm_greedy(folder, prompts, stop_ids)
     print("hf:", hf, "vllm:", vl, flush=True)

@@ -89,6 +89,13 @@ def test_a_malformed_manifest_is_one_line(tmp_path, manifest):
         ("frozen", {"model": [1.0]}),
         ("frozen", ["model"]),
         ("frozen", {"model": {"lm_head.weight": 10**400}}),  # an int isfinite cannot take
+        ("folders", {"model": {"config": "{}", "generation": "null"}}),  # the folders' records
+        ("folders", {"model": {"config": "[1]", "generation": "null", "tokenizer": "0" * 64}}),
+        ("folders", {"model": {"config": "{", "generation": "null", "tokenizer": "0" * 64}}),
+        ("folders", {"model": {"config": "{}", "generation": "1", "tokenizer": "0" * 64}}),
+        ("folders", {"model": {"config": "{}", "generation": "null", "tokenizer": "../x"}}),
+        ("folders", {"model": {"config": "[" * 10**5, "generation": "null", "tokenizer": "0"}}),
+        ("folders", ["model"]),
     ],
 )
 def test_a_crafted_meta_json_is_a_damaged_checkpoint(tmp_path, field, value):

@@ -159,19 +159,31 @@ def test_resume_checks_the_reward_model_is_the_one_the_run_began_with(tmp_path, 
     assert_one_line_error(p, f"--reward_model {rm_dir}: its weights are not those", name)
 
 
-def test_resume_checks_the_reward_models_normalisation(tmp_path, sft_model):
-    """The reward model's config.json is read again at a resume too: other reward_mean/reward_std
-    there (the weights unchanged, so the fingerprint above cannot see it) would rescale the reward
-    mid-run. One line naming them; with the statistics as they were, the resume goes on."""
+def test_resume_checks_the_folders_config_and_tokenizer(tmp_path, sft_model):
+    """A resume builds the models from their folders' config.json and tokenises with their
+    tokenizers again: a folder edited since the run began, its weights unchanged (so the
+    fingerprint above cannot see it), is one line naming what changed: another reward_std would
+    rescale the reward mid-run, another tokenizer score other token ids. Put back as they were,
+    the resume goes on."""
     stats = {"reward_mean": 0.5, "reward_std": 2.0}
     rm_dir, out, flags = stopped_against_a_random_reward_model(tmp_path, sft_model, **stats)
-    assert json.load(open(os.path.join(latest(out), "meta.json")))["reward_norm"] == [0.5, 2.0]
+    resume = ppo(out, sft_model, *flags, "--resume", "latest")
     config = json.load(open(rm_dir / "config.json"))
     json.dump({**config, "reward_std": 3.0}, open(rm_dir / "config.json", "w"))
-    p = run_py("train_ppo.py", *ppo(out, sft_model, *flags, "--resume", "latest"))
-    assert_one_line_error(p, "(reward_mean, reward_std) are [0.5, 3.0]", "started with [0.5, 2.0]")
+    p = run_py("train_ppo.py", *resume)
+    assert_one_line_error(p, f"--reward_model {rm_dir}: not the folder", "reward_std 2.0 -> 3.0")
     json.dump(config, open(rm_dir / "config.json", "w"))
-    p = run_py("train_ppo.py", *ppo(out, sft_model, *flags, "--resume", "latest"))
+    tokenizer = json.load(open(rm_dir / "tokenizer.json"))
+    vocab = dict(tokenizer["model"]["vocab"])
+    one = vocab["1"]  # the digits' ids swapped
+    vocab["1"] = vocab["2"]
+    vocab["2"] = one
+    changed = {**tokenizer, "model": {**tokenizer["model"], "vocab": vocab}}
+    json.dump(changed, open(rm_dir / "tokenizer.json", "w"))
+    p = run_py("train_ppo.py", *resume)
+    assert_one_line_error(p, f"--reward_model {rm_dir}: not the folder", "the tokenizer")
+    json.dump(tokenizer, open(rm_dir / "tokenizer.json", "w"))
+    p = run_py("train_ppo.py", *resume)
     assert p.returncode == 0 and "at step 1" in p.stdout, p.stderr[-2000:]
 
 

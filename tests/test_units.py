@@ -16,6 +16,7 @@ import common
 import rollout
 import task
 import train_dpo
+import train_ppo
 import train_rm
 import train_sft
 from conftest import REPO
@@ -197,12 +198,14 @@ def test_encode_prompt_uses_the_chat_template_when_there_is_one():
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
-    assert common.encode_prompt(tok, "1+2=") == tok("1+2=").input_ids  # no template: the raw prompt
+    assert (
+        common.encode_prompt(tok, "1+2=", "test") == tok("1+2=").input_ids
+    )  # no template: the raw prompt
     tok.chat_template = (
         "{% for m in messages %}U:{{ m['content'] }}{% endfor %}"
         "{% if add_generation_prompt %}A:{% endif %}"
     )
-    ids = common.encode_prompt(tok, "1+2=")
+    ids = common.encode_prompt(tok, "1+2=", "test")
     assert tok.decode(ids, skip_special_tokens=True) == "U:1+2=A:"
 
 
@@ -651,3 +654,138 @@ def test_the_weights_fingerprint_sees_a_change_and_stays_json():
     finally:
         if owned:
             dist.destroy_process_group()
+
+
+def test_a_folders_identity_survives_a_re_save_and_names_an_edit(tmp_path):
+    """`common.folder_identity`, kept in meta.json for a resume to compare: the same for a folder
+    saved again by transformers (other file layout, keys written out at their defaults, the
+    version stamp), so a re-export does not stop a resume; an edit to what the model computes
+    (rope_theta, rms_norm_eps), to the generation config's stop ids or to the vocabulary is
+    named by `checkpoint._same_folder`, in one line."""
+    from transformers import AutoConfig
+    from transformers import AutoTokenizer
+    from transformers import GenerationConfig
+
+    task.ensure_tiny_model()
+    before = common.folder_identity(task.TINY_MODEL)
+    assert checkpoint._is_folder_records({"model": before})
+    for obj in (AutoConfig, AutoTokenizer, GenerationConfig):
+        obj.from_pretrained(task.TINY_MODEL).save_pretrained(tmp_path)
+    assert common.folder_identity(str(tmp_path)) == before
+    config = json.load(open(tmp_path / "config.json"))
+    config["rope_parameters"]["rope_theta"] = 500.0
+    config["rms_norm_eps"] = 1e-5
+    json.dump(config, open(tmp_path / "config.json", "w"))
+    generation = json.load(open(tmp_path / "generation_config.json"))
+    json.dump(
+        {**generation, "eos_token_id": [2, 5]}, open(tmp_path / "generation_config.json", "w")
+    )
+    tokenizer = json.load(open(tmp_path / "tokenizer.json"))
+    tokenizer["added_tokens"][0]["content"] = "<PAD>"
+    json.dump(tokenizer, open(tmp_path / "tokenizer.json", "w"))
+    after = common.folder_identity(str(tmp_path))
+    args = {"model": str(tmp_path)}
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint._same_folder("ckpt", before, after, "--model", args)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"--model {tmp_path}: not the folder")
+    assert "config.json's rms_norm_eps 1e-06 -> 1e-05" in line and "rope_theta" in line
+    assert "generation_config.json's eos_token_id 2 -> [2, 5]" in line and "1 more" in line
+    os.unlink(tmp_path / "generation_config.json")
+    changed = checkpoint._changed_settings("generation_config.json", before["generation"], "null")
+    assert changed == ["generation_config.json removed"]
+    checkpoint._same_folder("ckpt", None, after, "--model", args)  # an older checkpoint: unchecked
+
+
+def test_named_chat_templates_end_a_response_as_the_default_one():
+    """A folder with several named templates (chat_template.jinja beside
+    additional_chat_templates/, Command-R's "default" and "tool_use") gives a dict as
+    `tok.chat_template`; transformers renders the "default" one. It was an unhashable cache key
+    (a TypeError in every stage)."""
+    tok = gemma_style_tokenizer()
+    end_of_turn = common.response_end_id(tok)
+    tok.chat_template = {"default": tok.chat_template, "tool_use": "{{ raise_exception('no') }}"}
+    assert common.response_end_id(tok) == end_of_turn != tok.eos_token_id
+    ids, n_prompt = train_sft.encode(tok, {"prompt": "1+2=", "response": "3"}, 64, "x")
+    assert tok.convert_ids_to_tokens(ids[n_prompt:]) == ["3", "<end_of_turn>"]
+
+
+def test_a_chat_template_that_fails_on_one_prompt_is_one_line_naming_it():
+    """`check_chat_template` tries one prompt; a template that raises on some content only was a
+    jinja traceback at the first such row (SFT, RM, DPO, held-out) or, through the reward
+    model's own template, at the rollout that sampled it (PPO): one line naming the row now,
+    PPO's found while the prompts load."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['content'] | length > 8 %}"
+        "{{ raise_exception('too long for me') }}{% endif %}U:{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}A:{% endif %}"
+    )
+    assert (
+        tok.decode(common.encode_prompt(tok, "1+2=", "x"), skip_special_tokens=True) == "U:1+2=A:"
+    )
+    line = "x.jsonl:4: the chat template fails on this prompt .*too long for me"
+    with pytest.raises(SystemExit, match=line):
+        train_sft.encode(tok, {"prompt": "11+22+33=", "response": "66"}, 64, "x.jsonl:4")
+    with pytest.raises(SystemExit, match=line):
+        row = {"prompt": "11+22+33=", "chosen": "66", "rejected": "65"}
+        train_rm.encode_pairs(tok, [("x.jsonl:4", row)], 64)
+    with pytest.raises(SystemExit, match=line):
+        common.check_held_out(tok, [("x.jsonl:4", {"prompt": "11+22+33=", "response": "66"})], 64)
+    plain = AutoTokenizer.from_pretrained(task.TINY_MODEL)
+    rows = [("d.jsonl:1", {"prompt": "1+1="}), ("d.jsonl:2", {"prompt": "11+22+33="})]
+    with pytest.raises(SystemExit, match=r"d.jsonl:2 \(--reward_model\): the chat template fails"):
+        train_ppo.load_prompts(rows, plain, 8, 64, reward_tok=tok)
+    assert len(train_ppo.load_prompts(rows, plain, 8, 64)) == 2
+
+
+def test_an_empty_held_out_prompt_without_a_bos_is_refused():
+    """A held-out row with an empty prompt and a tokenizer that adds no BOS (GPT-2's): greedy
+    decoding had nothing to start from (a reshape error at the first evaluation, hours in, or a
+    row of padding scored silently beside others)."""
+    tok = bpe_merging_tokenizer()
+    examples = [("e.jsonl:1", {"prompt": "1+1=", "response": "2"})]
+    common.check_held_out(tok, examples, 64)
+    examples.append(("e.jsonl:2", {"prompt": "", "response": "82"}))
+    with pytest.raises(SystemExit, match="e.jsonl:2: the prompt has no tokens"):
+        common.check_held_out(tok, examples, 64)
+
+
+def test_a_reward_models_own_head_is_kept_whatever_its_architectures_say(tmp_path):
+    """train_rm.py starts a fresh head (seeded, the same on every rank) exactly when the folder
+    has none, found from what loaded: a trained reward model's head was overwritten when its
+    config.json's "architectures" was a string or missing, and a causal LM whose config claimed
+    a classifier kept the head transformers drew from each rank's own RNG."""
+    import types
+
+    from transformers import AutoConfig
+    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoTokenizer
+
+    task.ensure_tiny_model()
+    args = types.SimpleNamespace(model=str(tmp_path), attn_implementation="auto", seed=42)
+    torch.manual_seed(1)
+    cfg = AutoConfig.from_pretrained(task.TINY_MODEL, num_labels=1)
+    trained = AutoModelForSequenceClassification.from_config(cfg)
+    trained.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(task.TINY_MODEL).save_pretrained(tmp_path)
+    config = json.load(open(tmp_path / "config.json"))
+    for architectures in (["LlamaForSequenceClassification"], "LlamaForSequenceClassification"):
+        json.dump({**config, "architectures": architectures}, open(tmp_path / "config.json", "w"))
+        model, _ = train_rm.build_reward_model(args)
+        assert torch.equal(model.score.weight, trained.score.weight)
+    # a causal LM's folder, its config claiming a classifier: the head is new, and seeded
+    shutil.rmtree(tmp_path)
+    shutil.copytree(task.TINY_MODEL, tmp_path)
+    config = json.load(open(tmp_path / "config.json"))
+    json.dump(
+        {**config, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1},
+        open(tmp_path / "config.json", "w"),
+    )
+    heads = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)  # another rank's RNG
+        heads.append(train_rm.build_reward_model(args)[0].score.weight)
+    assert torch.equal(heads[0], heads[1])
