@@ -768,10 +768,22 @@ def score(args, tok, models, prompt_texts, responses, finished, device):
     scores = reward_model_scores(
         models.reward_model, sequences, reward_tok.pad_token_id, args.micro_batch_size, device
     )
+    where = f"--reward_model {args.reward_model}"
+    check_finite_scores(scores, f"{where}: its score is not finite (NaN or inf in its weights?)")
     if models.reward_norm is None:
         return scores
     mean, std = models.reward_norm
-    return normalised_scores(scores, mean, std)
+    normalised = normalised_scores(scores, mean, std)
+    problem = f"reward_mean {mean!r} and reward_std {std!r} take a score out of float32's range"
+    check_finite_scores(normalised, f"{where}/config.json: {problem}")
+    return normalised
+
+
+def check_finite_scores(scores, line):
+    """One line (`line`) unless every score is finite: a NaN or inf reward would surface two
+    phases later as a diverged gradient norm, blaming --lr. scores [B]."""
+    if not scores.isfinite().all():
+        raise SystemExit(f"error: {line}")
 
 
 def gold_scores(args, tok, prompt_texts, responses):

@@ -85,8 +85,8 @@ class Args(common.RunArgs):
     margin: float = 0.0
     """the chosen response must beat the rejected one by this much: -logsigmoid(r_c - r_r - m)"""
     norm_samples: int = 1024
-    """chosen responses of the training data scored at the end for the reward's mean and std
-    (config.json's reward_mean and reward_std, which PPO normalises with)"""
+    """distinct chosen responses of the training data scored at the end for the reward's mean and
+    std (config.json's reward_mean and reward_std, which PPO normalises with)"""
     eval_every: int = 250
     """score the held-out pairs every this many steps (0: only at the end)"""
     eval_samples: int = 1000
@@ -282,12 +282,24 @@ def build_reward_model(args):
     return model, tok
 
 
+def distinct_chosen(train, n):
+    """The first n distinct chosen sequences of the training pairs, in order: a prompt's pairs
+    share its chosen response (`--pairs_per_prompt 4`: the first 1024 pairs hold 257 distinct
+    ones), and a repeated one would weigh four times in the statistics."""
+    chosen = {}
+    for c, _ in train:
+        chosen.setdefault(tuple(c), c)  # dicts keep the order of first insertion
+        if len(chosen) == n:
+            break
+    return list(chosen.values())
+
+
 def record_reward_scale(args, model, train, pad_id, device):
-    """The reward's mean and std over the chosen responses of the first --norm_samples training
-    pairs (`reward_stats`), written into the model's config for PPO's normalisation: in the last
-    checkpoint's config, and so in the export. Returns them as metrics."""
-    first = train[: args.norm_samples]
-    chosen = [c for c, _ in first]
+    """The reward's mean and std over --norm_samples distinct chosen responses of the training
+    pairs (`distinct_chosen`, `reward_stats`), written into the model's config for PPO's
+    normalisation: in the last checkpoint's config, and so in the export. Returns them as
+    metrics."""
+    chosen = distinct_chosen(train, args.norm_samples)
     mean, std = reward_stats(model, chosen, pad_id, args.micro_batch_size, device)
     model.config.reward_mean = mean
     model.config.reward_std = std

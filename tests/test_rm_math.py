@@ -82,6 +82,28 @@ def test_normalised_scores():
     scores = torch.tensor([1.0, 3.0, -1.0])
     got = train_ppo.normalised_scores(scores, 1.0, 2.0)
     assert got.tolist() == [0.0, 1.0, -1.0]
+    train_ppo.check_finite_scores(got, "not raised")
+    # a reward_std that reward_normalisation takes (positive, finite) can still overflow the
+    # score: one line from `score`, not a diverged gradient norm blaming --lr two phases later
+    tiny = train_ppo.normalised_scores(scores, 0.0, 1e-40)
+    with pytest.raises(SystemExit, match="^error: rm/config.json: out of range$"):
+        train_ppo.check_finite_scores(tiny, "rm/config.json: out of range")
+
+
+def test_the_reward_statistics_count_each_chosen_response_once():
+    """A prompt's pairs share its chosen response: the statistics PPO normalises with take the
+    first --norm_samples distinct ones, in order."""
+    pairs = [([1, 2], [1, 3]), ([1, 2], [1, 4]), ([5, 6], [5, 7]), ([1, 2], [1, 9]), ([8], [9])]
+    assert train_rm.distinct_chosen(pairs, 2) == [[1, 2], [5, 6]]
+    assert train_rm.distinct_chosen(pairs, 10) == [[1, 2], [5, 6], [8]]
+    from transformers import AutoTokenizer
+
+    task.ensure_tiny_model()
+    tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
+    rows = task.make_pairs("train", per_prompt=4)[:64]
+    pairs = train_rm.encode_pairs(tok, common.numbered("embedded", rows), 64)
+    prompts = {row["prompt"] for row in rows}
+    assert len(prompts) < 20 and len(train_rm.distinct_chosen(pairs, 1024)) == len(prompts)
 
 
 def test_pairs_are_deterministic_wrong_and_held_out():
