@@ -689,6 +689,10 @@ def check_reward_flags(args):
             "error: --reward_norm applies to --reward_model's score only; the --reward_fn rule "
             "is used as it returns"
         )
+    if args.gold_reward_fn:
+        load_rule(args.gold_reward_fn, "--gold_reward_fn")
+    if not args.reward_model:
+        load_rule(args.reward_fn, "--reward_fn")
 
 
 # Flags of GAE and its critic, which grpo and rloo have none of: set there, they would do nothing.
@@ -723,9 +727,10 @@ def generate(args, engine, prompts, step, positions):
     return gen
 
 
-def rule_scores(spec, prompts, responses, flag="--reward_fn"):
-    """Scores [B] from `flag` (--reward_fn or --gold_reward_fn) module:function(prompt, response)
-    -> float; a failure of the user's function is one clear line."""
+def load_rule(spec, flag):
+    """The function `flag` names (module:function), imported; one line if there is none. Called
+    by check_args too, so a misspelt rule stops the run before the models load and the engine
+    starts, not at the first scoring minutes later (the import is cached after that)."""
     module, _, name = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module), name)
@@ -735,6 +740,15 @@ def rule_scores(spec, prompts, responses, flag="--reward_fn"):
             f"error: {flag} {spec}: expected module:function importable from the Python path "
             f"(the repository, PYTHONPATH; not the working directory) ({type(e).__name__}: {e})"
         )
+    if not callable(fn):
+        raise SystemExit(f"error: {flag} {spec}: a {type(fn).__name__}, not a function")
+    return fn
+
+
+def rule_scores(spec, prompts, responses, flag="--reward_fn"):
+    """Scores [B] from `flag` (--reward_fn or --gold_reward_fn) module:function(prompt, response)
+    -> float; a failure of the user's function is one clear line."""
+    fn = load_rule(spec, flag)
     scores = []
     for prompt, response in zip(prompts, responses):
         try:

@@ -220,7 +220,24 @@ def test_a_reward_flag_of_the_reward_not_in_use_is_refused(flags, needle):
 
     with pytest.raises(SystemExit, match=needle):
         train_ppo.check_reward_flags(train_ppo.Args(**flags))
-    train_ppo.check_reward_flags(train_ppo.Args(reward_model="rm", gold_reward_fn="task:f"))
+    train_ppo.check_reward_flags(train_ppo.Args(reward_model="rm", gold_reward_fn="task:reward_fn"))
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (dict(reward_fn="task:rewardfn"), "--reward_fn task:rewardfn: expected module:function"),
+        (dict(reward_fn="task:TINY_MODEL"), "--reward_fn task:TINY_MODEL: a str, not a function"),
+        (dict(reward_model="rm", gold_reward_fn="task:f"), "--gold_reward_fn task:f: expected"),
+    ],
+)
+def test_a_rule_that_is_no_function_is_refused_before_the_models_load(flags, needle):
+    """A misspelt --reward_fn or --gold_reward_fn was found at the first scoring, after every
+    model had loaded and the engine had started (and a name that is no function raised there)."""
+    import train_ppo
+
+    with pytest.raises(SystemExit, match=f"^error: {needle}"):
+        train_ppo.check_reward_flags(train_ppo.Args(**flags))
 
 
 def test_max_new_tokens_beyond_the_context_names_the_flag():
