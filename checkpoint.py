@@ -126,15 +126,24 @@ def _check_build(obj, state):
     allowed = cls.__qualname__ in ALLOWED_GLOBALS.get(cls.__module__, ())
     if allowed and dataclasses.is_dataclass(cls):
         fields = [f.name for f in dataclasses.fields(cls)]
+        # the fields without a default: an object left without one fails later, at a getattr
+        # (an AttributeError traceback from `_check_storage`), not here in one line
+        required = [f.name for f in dataclasses.fields(cls) if _has_no_default(f)]
         if "__setstate__" in vars(cls):
             ok = type(state) is tuple and len(state) == len(fields)
         else:
             ok = type(state) is dict and all(k in fields for k in state)
+            ok = ok and all(k in state for k in required)
     if not ok:
         raise CheckpointError(
             f"refusing to unpickle: BUILD sets {type(state).__name__} state on {cls.__name__}, "
             "which DCP's metadata never does"
         )
+
+
+def _has_no_default(field):
+    """Whether a dataclass field has neither a default nor a default factory."""
+    return field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
 
 
 def _unpickle_metadata(f, where):
@@ -170,15 +179,17 @@ def _check_storage(metadata, folder, sizes=None):
     listed = sizes
     sizes = {}
     for index, info in metadata.storage_data.items():
+        # getattr: an object the pickle made without BUILD has no attributes at all
         name = getattr(info, "relative_path", None)
-        if type(info) is not _StorageInfo or info.transform_descriptors or type(name) is not str:
+        transforms = getattr(info, "transform_descriptors", None)
+        if type(info) is not _StorageInfo or transforms or type(name) is not str:
             raise CheckpointError(f"{where}: storage entry {index!r} is not a plain file range")
         if name not in sizes and listed is not None:  # a store: only the manifest's objects
             sizes[name] = _listed_size(listed, name, where)
         if name not in sizes:
             sizes[name] = _storage_size(folder, name, where)
-        offset = info.offset
-        length = info.length
+        offset = getattr(info, "offset", None)
+        length = getattr(info, "length", None)
         fits = _is_count(offset) and _is_count(length) and offset + length <= sizes[name]
         if not fits:
             fqn = getattr(index, "fqn", index)
@@ -683,11 +694,16 @@ def _read_json(path):
             return json.loads(_store_call(objstore.read_bytes, path, objstore.SMALL_CAP))
         except (ValueError, RecursionError) as e:
             raise CheckpointError(f"{path}: malformed, not JSON ({type(e).__name__}: {e})")
-    with open_regular(path) as f:
-        try:
-            return json.load(f)
-        except (ValueError, RecursionError) as e:  # UnicodeDecodeError too; [[[[... nested deep
-            raise CheckpointError(f"{path}: malformed, not JSON ({type(e).__name__}: {e})")
+    with open_regular(path, "rb") as f:
+        # as on a store: a checkpoint's JSON files are small (a manifest of a thousand ranks'
+        # files is under 1 MiB); a crafted 64 GiB one was read whole (a MemoryError traceback)
+        data = f.read(objstore.SMALL_CAP + 1)
+    if len(data) > objstore.SMALL_CAP:
+        raise CheckpointError(f"{path}: over {objstore.SMALL_CAP >> 20} MiB, not a checkpoint's")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError too; [[[[... nested deep
+        raise CheckpointError(f"{path}: malformed, not JSON ({type(e).__name__}: {e})")
 
 
 def _check_manifest(manifest, where):

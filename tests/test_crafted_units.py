@@ -552,3 +552,34 @@ def test_a_store_save_missing_a_ranks_objects_is_not_committed(tmp_path):
     fs.pipe_file(f"{step}/dcp/{shard}", (folder / shard).read_bytes())
     checkpoint._publish_store(final, url, "step-00000002", 2, world=2)  # now complete: committed
     assert fs.cat_file(f"{path}/latest") == b"step-00000002\n"
+
+
+@pytest.mark.parametrize(
+    "kept",
+    [("relative_path", "length", "transform_descriptors"), ()],
+    ids=["no-offset", "no-build"],
+)
+def test_a_storage_entry_missing_its_fields_is_one_line(tmp_path, kept):
+    """A storage entry the pickle made without its offset (a BUILD that leaves a field out, or no
+    BUILD at all) passed the BUILD check and failed as an AttributeError traceback in
+    `_check_storage`: `verify` and `--resume latest`'s fallback never saw a damaged checkpoint."""
+    write_small_checkpoint(tmp_path)
+    path = tmp_path / "dcp" / ".metadata"
+    md = pickle.loads(path.read_bytes())  # our own file, just written
+    for info in md.storage_data.values():
+        for key in [k for k in vars(info) if k not in kept]:
+            del vars(info)[key]
+    path.write_bytes(pickle.dumps(md))
+    remanifest(tmp_path)
+    with pytest.raises(checkpoint.CheckpointError):
+        checkpoint.verify(str(tmp_path))
+    assert_cli_refuses(tmp_path, "")
+
+
+def test_an_oversized_json_file_is_refused_unread(tmp_path):
+    """A checkpoint's JSON files are read at most 16 MiB far, as on a store: a crafted sparse
+    manifest.json of 64 GiB was read whole (a MemoryError traceback, or the machine's memory)."""
+    write_small_checkpoint(tmp_path)
+    with open(tmp_path / "manifest.json", "r+b") as f:
+        f.truncate(64 << 30)  # sparse: no disk used
+    assert_cli_refuses(tmp_path, "manifest.json: over 16 MiB, not a checkpoint's")
