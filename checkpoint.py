@@ -892,11 +892,15 @@ def _agree(fn, tmp, name, on_error):
         fn()
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is no Exception
         err = _describe_failure(e, tmp)
+    # rank 0 commits: whether it did, for every rank's line (a failure after the commit, an
+    # fsync of the folder, leaves the new checkpoint committed and, locally, latest)
+    committed = _run.get("committed") == name
     errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, err)  # so that every rank takes the same branch below
-    bad = "; ".join(e for e in errors if e)
+    dist.all_gather_object(errors, (err, committed))  # so every rank takes the same branch below
+    bad = "; ".join(e for e, _ in errors if e)
     if not bad:
         return True
+    committed = any(c for _, c in errors)
     _remove_unfinished(tmp)
     # Collective: every rank has finished removing the temp dir before any goes on. Each rank
     # removes the same (shared) folder, and a retry of the same step writes into the same path: a
@@ -914,8 +918,10 @@ def _agree(fn, tmp, name, on_error):
     if previous:
         kept = f"the previous checkpoint, {previous}, is intact and latest"
     msg = f"{name} not saved ({bad}); {kept}"
-    if previous == name:  # it failed after its commit (an fsync after `latest` was replaced)
-        msg = f"{name}: the save failed after its commit ({bad}); it is committed and latest"
+    if committed:  # `latest` naming this step says nothing: a re-save of an abandoned branch's
+        msg = f"{name}: the save failed after its commit ({bad}); it is committed"
+        if previous == name:
+            msg += " and latest"
     if on_error != "warn":
         raise CheckpointError(msg)
     if dist.get_rank() == 0:
@@ -965,6 +971,7 @@ def save(out_dir, step, roles, meta, hf_objs, keep_last, async_save=False, on_er
     generation config) go to hf/. async_save: a thread writes a copy of the state while training
     goes on, and boundary() commits it later. Returns the committed path (None while in flight)."""
     commit()  # one save in flight at a time
+    _run.pop("committed", None)  # set where this save commits (`_publish`, `_publish_store`)
     # DCP writes each tensor with torch.save, which adds a zip CRC32 of every record: a second
     # pass over bytes the manifest's sha256 already covers (`_hash_own_files`; a resume and an
     # export verify every file before they load one). Off for this process, whose only
@@ -1121,15 +1128,28 @@ def _publish(tmp, final, root, name, step, hashed):
     _durable(os.path.join(tmp, "manifest.json"), json.dumps(manifest))
     for folder, _, _ in os.walk(tmp):
         _durable(folder)
-    _remove_entry(final)  # a save of this step by a run resumed from before it
+    if os.path.lexists(final) and _run.get("branch") and _read_latest(root) == name:
+        # a save of this step by a run resumed from before it, while `latest` names the step
+        # about to go (an abandoned branch's, or one passed over as damaged): `latest` names
+        # this run's own newest checkpoint first, so that a kill between the removal and the
+        # rename never leaves it naming a missing step (as `_clear_step` does on a store)
+        _point_latest(root, _run["branch"])
+        _durable(root)
+    _remove_entry(final)
     os.rename(tmp, final)
     _durable(root)  # the rename is on disk before `latest` may point at it
     _durable(os.path.dirname(root))  # and checkpoints/ itself, after the run's first save
+    _point_latest(root, name)
+    _run["committed"] = name  # for `_agree`'s line, should the fsync below fail
+    _durable(root)
+
+
+def _point_latest(root, name):
+    """Local: root/latest replaced atomically by one naming `name` (durable once root is)."""
     # a killed run's latest.tmp: removed (a symlink itself, not its target), never written through
     _remove_entry(os.path.join(root, "latest.tmp"))
     _durable(os.path.join(root, "latest.tmp"), name + "\n")
     os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))  # atomic
-    _durable(root)
 
 
 def _publish_store(final, root, name, step, world):
@@ -1145,6 +1165,7 @@ def _publish_store(final, root, name, step, world):
     _check_every_rank_listed(final, files, world)
     manifest = {"step": step, "files": files}
     objstore.write_bytes(os.path.join(final, "manifest.json"), json.dumps(manifest).encode())
+    _run["committed"] = name  # the manifest is the commit on a store (`_agree`'s line)
     objstore.write_bytes(os.path.join(root, "latest"), (name + "\n").encode())
 
 

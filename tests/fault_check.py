@@ -139,6 +139,38 @@ def main(out):
     assert checkpoint.boundary(7, 100, 0, rank == 1, device) == (True, True)
     assert checkpoint.boundary(7, 100, 0, False, device) == (False, False)
     assert checkpoint.boundary(7, 100, 1e-9, False, device) == (True, False)
+    # 6. A run resumed from step 3 saves step 4 again while `latest` names the old step 4 (an
+    # abandoned branch's). A failure before the commit is no "failed after its commit" (it was,
+    # whenever `latest` named the step); `latest` names step 3 before the old step 4 goes, so a
+    # failure (or a kill) between the removal and the rename leaves it naming a checkpoint.
+    checkpoint._run["branch"] = "step-00000003"
+    if rank == 1:
+        checkpoint.rng_state = full
+    try:
+        checkpoint.save(args[0], 4, *args[1:], keep_last=0)
+        raise AssertionError("the save did not fail")
+    except checkpoint.CheckpointError as e:
+        assert "step-00000004 not saved" in str(e) and "after its commit" not in str(e), e
+    checkpoint.rng_state = real
+    real_rename = checkpoint.os.rename
+
+    def rename(src, dst):
+        if dst == step_4:
+            raise OSError(errno.EIO, "Input/output error")
+        real_rename(src, dst)
+
+    if rank == 0:
+        checkpoint.os.rename = rename
+    try:
+        checkpoint.save(args[0], 4, *args[1:], keep_last=0)
+        raise AssertionError("the save did not fail")
+    except checkpoint.CheckpointError as e:
+        assert "the previous checkpoint, step-00000003, is intact and latest" in str(e), e
+    checkpoint.os.rename = real_rename
+    dist.barrier()
+    assert latest() == "step-00000003"
+    assert checkpoint.save(args[0], 4, *args[1:], keep_last=0) == step_4
+    assert latest() == "step-00000004"
     print(f"rank {rank}: FAULT_CHECK_OK", flush=True)
     dist.barrier()
     dist.destroy_process_group()
