@@ -858,6 +858,12 @@ _async_group = []  # the gloo group DCP's background writes use (made on the fir
 _run = {}  # "id": names this run's temp dirs (from resolve); "lock": rank 0's locked file
 
 
+def one_line(text):
+    """text with its line breaks written as \\n: an error names files, and a file named
+    "x\\nTraceback (most recent call last):" inside a checkpoint made a second line of the one."""
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
 def describe(e):
     """`type: first line` of an exception; of the first rank's own for DCP's CheckpointException,
     whose own text is a traceback per rank."""
@@ -1709,6 +1715,29 @@ def _is_export_file(root, name, tokenizer_files):
     return name in EXPORT_FILES or name in tokenizer_files or shard
 
 
+# The kinds of file a tokenizer's save_pretrained writes beside EXPORT_FILES (tekken.json,
+# emoji.json, vocab files of every format, a tokenizer's named templates).
+TOKENIZER_SUFFIXES = (".json", ".model", ".txt", ".tiktoken", ".jinja")
+
+
+def _checkpoints_around(out):
+    """The local checkpoint (a folder of manifest.json, meta.json and dcp/) that `out` is or is
+    inside, or the checkpoints/ folder (its `latest` naming a step) `out` would be a step of;
+    None if neither. An export there replaces what a checkpoint's manifest lists (it fails
+    verification: the fallback it was is lost), or makes a step folder a save or prune deletes."""
+    here = os.path.realpath(out)
+    if _read_latest(os.path.dirname(here)) is not None:
+        return os.path.dirname(here)
+    while True:
+        marks = [os.path.join(here, name) for name in ("manifest.json", "meta.json")]
+        if all(os.path.isfile(mark) for mark in marks) and os.path.isdir(f"{here}/dcp"):
+            return here
+        up = os.path.dirname(here)
+        if up == here:
+            return None
+        here = up
+
+
 def _within(inner, outer):
     """Whether the local path `inner` is `outer` or inside it (symlinks resolved)."""
     inner = os.path.realpath(inner)
@@ -1725,13 +1754,21 @@ def _check_export_folder(out, path, manifest):
     `--resume latest` falls back to an older checkpoint)."""
     if not objstore.is_url(path) and _within(out, path):
         raise CheckpointError(f"{out}: inside the checkpoint {path}; export it somewhere else")
+    around = _checkpoints_around(out)
+    if around:
+        raise CheckpointError(f"{out}: inside {around}; export it somewhere else")
     if not os.path.lexists(out):
         return
     if os.path.islink(out) or not os.path.isdir(out):
         raise CheckpointError(f"{out}: not a folder (a file or a symlink); give a new folder")
     names = sorted(os.listdir(out))
-    # what the checkpoint's hf/ holds (its tokenizer's files), from its verified manifest
-    tokenizer_files = {rel[3:] for rel in manifest["files"] if rel.startswith("hf/")}
+    # what the checkpoint's hf/ holds (its tokenizer's files), from its verified manifest: of
+    # the kinds tokenizers save, so that a crafted manifest listing hf/README.md cannot make a
+    # base model's folder (README.md, LICENSE, config.json) one to replace
+    tokenizer_files = set()
+    for rel in manifest["files"]:
+        if rel.startswith("hf/") and rel.endswith(TOKENIZER_SUFFIXES):
+            tokenizer_files.add(rel[3:])
     others = [name for name in names if not _is_export_file(out, name, tokenizer_files)]
     if others:
         raise CheckpointError(
@@ -1827,6 +1864,21 @@ def _export(path, hf, out, role):
 USAGE = "usage: python checkpoint.py verify CKPT [CKPT...] | export CKPT OUT [--role NAME]"
 
 
+def _verify_each(ckpts):
+    """`verify A B ...`: a line for each, ok or what is wrong (a damaged old checkpoint, first in
+    `step-*`'s order, hid every newer one's state), then exit status 1 if any failed."""
+    failed = False
+    for ckpt in ckpts:
+        try:
+            print(f"{ckpt}: ok, step {verify(ckpt)['step']}", flush=True)
+        # a store out of reach is no verdict on the rest: it stops here, as before
+        except (CheckpointError, OSError) as err:
+            print(one_line(f"error: {err}"), file=sys.stderr, flush=True)
+            failed = True
+    if failed:
+        sys.exit(1)
+
+
 def cli(argv):
     argv = [objstore.local_path(a) for a in argv]  # file:///x is the local /x
     if "" in argv:  # an empty OUT exported the whole model, then failed to write it
@@ -1840,8 +1892,7 @@ def cli(argv):
             )
     match argv:
         case ["verify", *ckpts] if ckpts:
-            for ckpt in ckpts:
-                print(f"{ckpt}: ok, step {verify(ckpt)['step']}")
+            _verify_each(ckpts)
         case ["export", ckpt, out]:
             export(ckpt, out)
             print(f"exported {ckpt} -> {out}")
@@ -1856,6 +1907,6 @@ if __name__ == "__main__":
     try:
         cli(sys.argv[1:])
     except (CheckpointError, OSError, objstore.StoreError) as err:
-        sys.exit(f"error: {err}")
+        sys.exit(one_line(f"error: {err}"))
     except CheckpointException as err:  # DCP's: no Exception, and its text is a traceback
-        sys.exit(f"error: {describe(err)}")
+        sys.exit(one_line(f"error: {describe(err)}"))

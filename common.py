@@ -1424,7 +1424,9 @@ def quiet_console(verbose):
 def print_error(line):
     """An error line on stderr, whole and on a line of its own: rank 0's progress bar is cleared
     first (tqdm.write), and another rank starts a new line, since rank 0's bar may be on it. One
-    write per line, so two ranks' errors never glue together."""
+    write per line, so two ranks' errors never glue together. A line break inside (a file's
+    name may hold one) is written as \\n (`checkpoint.one_line`)."""
+    line = checkpoint.one_line(line)
     if dist.is_initialized() and dist.get_rank() != 0:
         sys.stderr.write("\n" + line + "\n")
         sys.stderr.flush()

@@ -583,3 +583,66 @@ def test_an_oversized_json_file_is_refused_unread(tmp_path):
     with open(tmp_path / "manifest.json", "r+b") as f:
         f.truncate(64 << 30)  # sparse: no disk used
     assert_cli_refuses(tmp_path, "manifest.json: over 16 MiB, not a checkpoint's")
+
+
+def test_an_export_into_another_checkpoint_or_beside_its_steps_is_refused(tmp_path):
+    """Only the checkpoint exported was refused as OUT: another checkpoint's hf/ passed (the
+    export replaced it, that checkpoint failed verification, and the fallback it was was lost),
+    and checkpoints/step-00000099 made a step folder a save or prune would delete."""
+    root = tmp_path / "run" / "checkpoints"
+    for name in ("step-00000001", "step-00000002"):
+        (root / name).mkdir(parents=True)
+        write_small_checkpoint(root / name)
+    (root / "latest").write_text("step-00000002\n")
+    src = str(root / "step-00000002")
+    manifest = checkpoint.verify(src)
+    for out in (root / "step-00000001" / "sub", root / "step-00000001" / "hf", root / "step-99"):
+        with pytest.raises(checkpoint.CheckpointError, match="inside .*; export it somewhere"):
+            checkpoint._check_export_folder(str(out), src, manifest)
+    checkpoint._check_export_folder(str(tmp_path / "run" / "hf"), src, manifest)  # the stages'
+
+
+def test_a_crafted_manifest_cannot_make_a_users_folder_an_export(tmp_path):
+    """The checkpoint's own tokenizer files may be in a folder an export replaces; a crafted
+    manifest listing hf/README.md and hf/LICENSE made a base model's folder one (replaced, then
+    deleted). Only names of the kinds tokenizers save count now."""
+    (tmp_path / "ckpt").mkdir()
+    write_small_checkpoint(tmp_path / "ckpt")
+    manifest = checkpoint.verify(str(tmp_path / "ckpt"))
+    listed = {"size": 1, "sha256": "0" * 64}
+    crafted = {**manifest, "files": {**manifest["files"], "hf/README.md": listed}}
+    crafted["files"]["hf/LICENSE"] = listed
+    crafted["files"]["hf/tekken.json"] = listed
+    base = tmp_path / "base"
+    base.mkdir()
+    for name in ("config.json", "tekken.json", "README.md", "LICENSE"):
+        (base / name).write_text("x")
+    with pytest.raises(checkpoint.CheckpointError, match="holds 'LICENSE', which no export"):
+        checkpoint._check_export_folder(str(base), str(tmp_path / "ckpt"), crafted)
+    for name in ("README.md", "LICENSE"):
+        (base / name).unlink()
+    checkpoint._check_export_folder(str(base), str(tmp_path / "ckpt"), crafted)
+
+
+def test_verify_says_of_every_checkpoint_given_whether_it_is_ok(tmp_path):
+    """`verify step-*` stopped at the first damaged one (the oldest, in the glob's order), and
+    said nothing of the newer ones. A line each now; the status says whether any failed. A file
+    whose name holds a line break is named on one line."""
+    good = tmp_path / "good"
+    bad = tmp_path / "bad"
+    for path in (bad, good):
+        path.mkdir()
+        write_small_checkpoint(path)
+    (bad / "a.bin").write_bytes(b"HELLO")
+    (good / "x\nerror: made up").write_text("")
+    p = run_py("checkpoint.py", "verify", bad, good, tmp_path / "good" / "sub", timeout=60)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    lines = p.stderr.strip().splitlines()
+    assert lines[:2] == [
+        f"error: {bad}/a.bin: checksum mismatch",
+        f"error: {good}/x\\nerror: made up: not listed in the manifest",
+    ], p.stderr
+    assert len(lines) == 3 and lines[2].startswith(f"error: {good}/sub/manifest.json: missing")
+    (good / "x\nerror: made up").unlink()
+    p = run_py("checkpoint.py", "verify", good, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == f"{good}: ok, step 1", p.stdout
