@@ -657,6 +657,11 @@ def _read_manifest(path):
             f"{manifest_path}: missing or unreadable (not a checkpoint, or an unfinished one: {e})"
         )
     _check_manifest(manifest, manifest_path)
+    name = os.path.basename(path.rstrip("/"))
+    if objstore.is_step_name(name) and _step_of(name) != manifest["step"]:
+        # a copy or rename under another step's name: `--resume latest` orders by the names,
+        # and would take it for a step it is not (the name says 9, the weights are step 1's)
+        raise CheckpointError(f"{manifest_path}: step {manifest['step']}, in a folder named {name}")
     return manifest
 
 

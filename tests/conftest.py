@@ -205,18 +205,18 @@ def rewrite_manifest(ckpt):
     json.dump(m, open(os.path.join(ckpt, "manifest.json"), "w"))
 
 
-def write_small_checkpoint(path):
+def write_small_checkpoint(path, step=1):
     """A checkpoint's files: meta.json, one rank's RNG file, a.bin, sub/b.bin, a DCP save of one
     tensor in dcp/ (verify() reads its .metadata), and the manifest of them."""
     dcp.save({"t": torch.arange(4.0)}, checkpoint_id=str(path / "dcp"), no_dist=True)
-    meta = {"format_version": 1, "step": 1, "world_size": 1, "roles": ["model"], "args": {}}
+    meta = {"format_version": 1, "step": step, "world_size": 1, "roles": ["model"], "args": {}}
     (path / "meta.json").write_text(json.dumps(meta))
     (path / "rng-rank0.json").write_text(json.dumps(checkpoint.rng_state()))
     (path / "a.bin").write_bytes(b"hello")
     (path / "sub").mkdir()
     (path / "sub" / "b.bin").write_bytes(b"world")
     files = checkpoint._manifest_files(str(path))
-    (path / "manifest.json").write_text(json.dumps({"step": 1, "files": files}))
+    (path / "manifest.json").write_text(json.dumps({"step": step, "files": files}))
 
 
 @pytest.fixture(scope="session")

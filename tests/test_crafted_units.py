@@ -590,11 +590,11 @@ def test_an_export_into_another_checkpoint_or_beside_its_steps_is_refused(tmp_pa
     export replaced it, that checkpoint failed verification, and the fallback it was was lost),
     and checkpoints/step-00000099 made a step folder a save or prune would delete."""
     root = tmp_path / "run" / "checkpoints"
-    for name in ("step-00000001", "step-00000002"):
+    for name in ("step-00000001", "other"):
         (root / name).mkdir(parents=True)
         write_small_checkpoint(root / name)
-    (root / "latest").write_text("step-00000002\n")
-    src = str(root / "step-00000002")
+    (root / "latest").write_text("step-00000001\n")
+    src = str(root / "other")
     manifest = checkpoint.verify(src)
     for out in (root / "step-00000001" / "sub", root / "step-00000001" / "hf", root / "step-99"):
         with pytest.raises(checkpoint.CheckpointError, match="inside .*; export it somewhere"):
@@ -622,6 +622,16 @@ def test_a_crafted_manifest_cannot_make_a_users_folder_an_export(tmp_path):
     for name in ("README.md", "LICENSE"):
         (base / name).unlink()
     checkpoint._check_export_folder(str(base), str(tmp_path / "ckpt"), crafted)
+
+
+def test_a_checkpoint_under_another_steps_name_fails_verification(tmp_path):
+    """A copy or rename of step 1's folder as step-00000009 verified, and `--resume latest`, which
+    orders checkpoints by their names, took it for the newest."""
+    (tmp_path / "step-00000009").mkdir()
+    write_small_checkpoint(tmp_path / "step-00000009")
+    assert_cli_refuses(tmp_path / "step-00000009", "manifest.json: step 1, in a folder named")
+    os.rename(tmp_path / "step-00000009", tmp_path / "step-00000001")
+    assert checkpoint.verify(str(tmp_path / "step-00000001"))["step"] == 1
 
 
 def test_verify_says_of_every_checkpoint_given_whether_it_is_ok(tmp_path):

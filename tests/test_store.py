@@ -322,13 +322,13 @@ def test_ppo_save_resume_export(store, tmp_path):
 
 
 # ---- crafted checkpoints on the store, in-process (no torchrun) ----------------------------------
-def small_on_store(fs, tmp_path, name):
+def small_on_store(fs, tmp_path, name, step=1):
     """conftest's small checkpoint (meta, RNG, a.bin, sub/b.bin, manifest) copied to the store."""
     from conftest import write_small_checkpoint
 
     local = tmp_path / name
     local.mkdir()
-    write_small_checkpoint(local)
+    write_small_checkpoint(local, step)
     fs.put(str(local) + "/", f"{BUCKET}/crafted/{name}/", recursive=True)
     return f"s3://{BUCKET}/crafted/{name}"
 
@@ -398,13 +398,13 @@ def test_keep_last_prunes_committed_checkpoints_on_the_store(store, tmp_path, on
 
     fs, _ = store
     for k in (1, 2, 3, 5):
-        small_on_store(fs, tmp_path, f"step-{k:08d}")
+        small_on_store(fs, tmp_path, f"step-{k:08d}", step=k)
     root = f"s3://{BUCKET}/crafted"
     checkpoint._prune(root, 3, 2)  # step-3 just committed; step-5 is an abandoned branch
     fs.invalidate_cache()
     left = sorted(os.path.basename(p) for p in fs.ls(f"{BUCKET}/crafted/"))
     assert [n for n in left if n.startswith("step-")] == [f"step-{k:08d}" for k in (2, 3, 5)]
-    assert checkpoint.verify(f"{root}/step-00000002")["step"] == 1  # the kept ones are whole
+    assert checkpoint.verify(f"{root}/step-00000002")["step"] == 2  # the kept ones are whole
 
 
 def test_an_abandoned_latest_is_repointed_before_it_is_deleted(store, tmp_path, one_rank):
@@ -419,7 +419,7 @@ def test_an_abandoned_latest_is_repointed_before_it_is_deleted(store, tmp_path, 
     for k in (1, 2):
         local = tmp_path / f"step-{k}"
         local.mkdir()
-        write_small_checkpoint(local)
+        write_small_checkpoint(local, k)
         fs.put(str(local) + "/", f"{BUCKET}/branch/checkpoints/step-{k:08d}/", recursive=True)
     fs.pipe_file(f"{BUCKET}/branch/checkpoints/latest", b"step-00000002\n")
     checkpoint._run["branch"] = "step-00000001"  # as `resolve` sets it after the resume
