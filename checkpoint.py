@@ -1659,6 +1659,7 @@ def export(path, out, role=None):
     if role not in roles:
         raise CheckpointError(f"--role {role}: checkpoint has roles {roles}")
     if objstore.is_url(out):
+        _check_export_prefix(out, path)
         with tempfile.TemporaryDirectory() as local:
             _export_from(path, manifest, role, os.path.join(local, "out"), local)
             _store_call(objstore.upload_folder, out, os.path.join(local, "out"))
@@ -1741,6 +1742,28 @@ def _checkpoints_around(out):
         if up == here:
             return None
         here = up
+
+
+def _check_export_prefix(out, path):
+    """On a store, as `_check_export_folder` locally: OUT may not be the checkpoint exported or
+    inside it, nor inside another checkpoint (a prefix holding manifest.json) or a step beside
+    them (its parent's `latest` names a step): the upload would add objects its manifest does not
+    list, and that checkpoint fail verification. (An upload adds and overwrites objects, and
+    deletes none: a user's own objects under OUT stay.)"""
+    out = out.rstrip("/")
+    if out == path.rstrip("/") or out.startswith(path.rstrip("/") + "/"):
+        raise CheckpointError(f"{out}: inside the checkpoint {path}; export it somewhere else")
+    parent = os.path.dirname(out)
+    around = None
+    if _store_call(_read_latest, parent) is not None:
+        around = parent
+    here = out
+    while around is None and "/" in here.split("://", 1)[1]:  # up to the bucket
+        if _store_call(objstore.is_object, os.path.join(here, "manifest.json")):
+            around = here
+        here = os.path.dirname(here)
+    if around:
+        raise CheckpointError(f"{out}: inside {around}; export it somewhere else")
 
 
 def _within(inner, outer):

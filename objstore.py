@@ -116,6 +116,14 @@ def _folder_named(rel):
 
 
 @_translated
+def is_object(url):
+    """Whether an object named url is there (fresh, not cached)."""
+    fs, path = fs_of(url)
+    fs.invalidate_cache()
+    return fs.isfile(path)
+
+
+@_translated
 def read_bytes(url, limit):
     """The object's bytes, refused if it holds more than `limit` (a size known in advance)."""
     fs, path = fs_of(url)

@@ -516,3 +516,30 @@ def test_crafted_metadata_on_the_store_reads_only_listed_objects(store, tmp_path
     sizes[".metadata"] -= 1  # the object is larger than the manifest says: read no further
     with pytest.raises(checkpoint.CheckpointError, match="larger than the"):
         checkpoint.dcp_load({"t": torch.zeros(1000)}, url, no_dist=True, sizes=sizes)
+
+
+def test_an_export_into_a_checkpoint_on_the_store_is_refused(store, tmp_path):
+    """An export to a store checked nothing: `export s3://.../step-4 s3://.../step-4/hf` uploaded
+    into the checkpoint (which then failed verification, the fallback it was lost); so did one
+    into another checkpoint, or as a step folder beside them. Refused in one line, as locally."""
+    import checkpoint
+    from conftest import write_small_checkpoint
+
+    fs, _ = store
+    root = f"s3://{BUCKET}/exports/checkpoints"
+    for k in (1, 2):
+        local = tmp_path / f"step-{k}"
+        local.mkdir()
+        write_small_checkpoint(local, k)
+        fs.put(str(local) + "/", f"{BUCKET}/exports/checkpoints/step-{k:08d}/", recursive=True)
+    fs.pipe_file(f"{BUCKET}/exports/checkpoints/latest", b"step-00000002\n")
+    src = f"{root}/step-00000002"
+    refused = {
+        f"{src}/hf": "inside the checkpoint",
+        f"{root}/step-00000001/hf": "inside s3://",
+        f"{root}/step-00000099": "inside s3://",
+    }
+    for out, needle in refused.items():
+        with pytest.raises(checkpoint.CheckpointError, match=needle):
+            checkpoint._check_export_prefix(out, src)
+    checkpoint._check_export_prefix(f"s3://{BUCKET}/exports/hf", src)  # where a stage exports
