@@ -763,6 +763,7 @@ def read_meta(path, step=None):
         "scheduler": "scheduler" not in meta or _schedules_at(meta["scheduler"], saved_step),
         "frozen": "frozen" not in meta or _is_fingerprints(meta["frozen"]),
         "folders": "folders" not in meta or _is_folder_records(meta["folders"]),
+        "engine": meta.get("engine", "hf") in ("hf", "vllm"),  # PPO's rollout engine
     }
     bad = [k for k, ok in checks.items() if not ok]
     if bad:

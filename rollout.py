@@ -22,6 +22,7 @@ the actor itself; the tests compare the two.
 
 import dataclasses
 import hashlib
+import logging
 import os
 
 import torch
@@ -117,6 +118,8 @@ def _auto_engine(model_path):
 
 
 class VLLMEngine:
+    kind = "vllm"  # --rollout_engine's name (meta.json keeps the one a run used)
+
     def __init__(
         self,
         model_path,
@@ -147,8 +150,10 @@ class VLLMEngine:
             skip_tokenizer_init=True,  # we pass token ids; the trainer owns the tokenizer
             # temperature applied to the logprobs, as PPO needs (not the raw logits)
             logprobs_mode="processed_logprobs",
-            # The model folder's generation_config is not read: its sampling defaults (and a
-            # max_new_tokens there) never apply; every setting comes from `generate`'s arguments.
+            # The model folder's sampling defaults (temperature, top_k, a max_new_tokens there)
+            # never apply: every setting comes from `generate`'s arguments. vLLM still reads its
+            # eos_token_id into each request's stop ids (`update_from_generation_config`):
+            # `common.stop_token_ids` lists the same ids, so both engines stop alike.
             generation_config="vllm",
             use_tqdm_on_load=False,  # a local folder loads in moments: no bar per rank and load
         )
@@ -215,7 +220,10 @@ class VLLMEngine:
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
-        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        # cached prefixes were computed with the old weights; vLLM declines (False) while a
+        # request holds blocks, which none does between two `generate` calls
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM kept its prefix cache after a weight sync")
 
     def close(self):
         """Shut the engine down (vllm 0.32 has no public close: this is what the LLM's finalizer
@@ -330,15 +338,52 @@ def _without_lm_head(named_tensors):
             yield name, tensor
 
 
+# Where vllm 0.32's `reload_weights` says a parameter was not reached ("Following weights were
+# not loaded from checkpoint"): a warning, its only report (it returns nothing), which
+# VLLM_LOGGING_LEVEL=ERROR (`common.quiet_console`) hides. (Its layerwise module's "Failed to
+# load weights" is no such report: it says so of every rotary embedding, whose cos/sin cache is
+# derived from the config and never in a checkpoint.)
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.inplace"
+
+
+class _Warnings(logging.Handler):
+    """The messages of the warnings logged while it is attached."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def _vllm_reload_weights(llm, named_tensors):
     """The call into vLLM internals, written against vllm 0.32.0: the worker's `reload_weights`
     (vllm/model_executor/model_loader/reload/inplace.py) loads checkpoint-format (HF-named) tensors
     in place. In-process engine core only: the iterator (which runs collectives) is consumed
-    right here."""
-    llm.collective_rpc(
-        "reload_weights",
-        kwargs={"weights_iterator": named_tensors, "is_checkpoint_format": True},
-    )
+    right here. A weight of the engine's model the sync did not reach would keep its old value
+    (on a GPU, after a level-2 sleep, garbage) and the engine sample from another policy: its
+    warnings are read here (their level lowered for the call; the console's handlers still show
+    only errors), and such a sync is one line on every rank."""
+    seen = _Warnings()
+    logger = logging.getLogger(RELOAD_LOGGER)
+    level = logger.level
+    logger.addHandler(seen)
+    logger.setLevel(logging.WARNING)
+    try:
+        llm.collective_rpc(
+            "reload_weights",
+            kwargs={"weights_iterator": named_tensors, "is_checkpoint_format": True},
+        )
+    finally:
+        logger.removeHandler(seen)
+        logger.setLevel(level)
+    missed = [m for m in seen.messages if "not loaded" in m]
+    if missed:
+        raise SystemExit(
+            f"error: --rollout_engine vllm: a weight sync did not reach every weight of the "
+            f"engine's model ({missed[0]:.300}); use --rollout_engine hf"
+        )
 
 
 def _repack_cpu_experts(worker):
@@ -363,6 +408,8 @@ class HFEngine:
     """transformers `generate` on an unsharded copy of the actor (no collectives while
     generating), every prompt of a call in one batch. (It was one `generate` per prompt, to give
     each prompt its own RNG stream: 15x slower on CPU, and 87% of a PPO iteration on an H100.)"""
+
+    kind = "hf"
 
     def __init__(self, model_path, max_model_len, seed, stop_ids, attn_implementation=None):
         from transformers import AutoModelForCausalLM

@@ -524,6 +524,20 @@ def frozen_fingerprints(models, device):
     return frozen
 
 
+def note_another_engine(meta, engine, where):
+    """A warning when a resume samples with another engine than the run began with (--rollout_engine
+    auto on a machine where vLLM does not import, say): the two engines draw other samples from
+    the same seeds, so from here on the run is not the one an uninterrupted run would have been.
+    Allowed: a run may move to a machine without vLLM; said, not silent."""
+    began = meta.get("engine")
+    if began is not None and began != engine.kind:
+        common.print0(
+            f"WARNING: {where} was trained with the {began} rollout engine, this resume samples "
+            f"with {engine.kind}: other samples from the same seeds, so the run is no longer "
+            "the one it would have been uninterrupted"
+        )
+
+
 def folder_identities(args):
     """{flag: common.folder_identity} of every folder this run loads a model from, kept in
     meta.json: a resume builds the models from those folders' config.json again, tokenises with
@@ -1222,6 +1236,7 @@ def main(args):
     final = checkpoint.resolve(args.out_dir, args.resume)
     if final:  # the RNG is restored last, inside load
         meta = checkpoint.load(final, roles, vars(args), MUST_MATCH, frozen, folders)
+        note_another_engine(meta, engine, final)
         kl_coef = restore_schedules(meta, scheds, f"{final}/meta.json", args)
         start = meta["step"]
         rollout.sync_weights(engine, models.actor)  # the engine started from --model: resume it
@@ -1309,6 +1324,7 @@ def main(args):
             "consumed_prompts": step * args.rollout_batch_size,
             "frozen": frozen,
             "folders": folders,
+            "engine": engine.kind,  # what --rollout_engine auto chose (note_another_engine)
         }
         hf_objs = (models.actor.config, tok, export_generation_config)
         saved, stop = common.end_of_step(args, step, device, roles, meta, hf_objs)

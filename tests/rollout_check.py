@@ -123,6 +123,15 @@ def main(path):
             assert not set(stop_ids) & set(ids[:-1])
             assert len(lps) == len(ids) and (done or len(ids) == NEW)
 
+    # 6. A sync that misses weights of the engine's model (vLLM only warns, and the quiet console
+    # hides warnings) is one line, not an engine sampling from a half-updated policy.
+    norm = actor.get_parameter("model.norm.weight").full_tensor().detach()
+    try:
+        vl.load_weights(iter([("model.norm.weight", norm)]))
+        raise AssertionError("a partial sync passed")
+    except SystemExit as e:
+        assert "a weight sync did not reach every weight" in str(e.code), e.code
+
     dist.barrier()  # every rank is done before the engines tear vLLM (and the default group) down
     vl.close()
     if dist.is_initialized():

@@ -96,6 +96,7 @@ def test_a_malformed_manifest_is_one_line(tmp_path, manifest):
         ("folders", {"model": {"config": "{}", "generation": "null", "tokenizer": "../x"}}),
         ("folders", {"model": {"config": "[" * 10**5, "generation": "null", "tokenizer": "0"}}),
         ("folders", ["model"]),
+        ("engine", "vllm\nerror: made up"),  # PPO's rollout engine: a name only
     ],
 )
 def test_a_crafted_meta_json_is_a_damaged_checkpoint(tmp_path, field, value):

@@ -164,7 +164,7 @@ def test_resume_checks_the_folders_config_and_tokenizer(tmp_path, sft_model):
     tokenizers again: a folder edited since the run began, its weights unchanged (so the
     fingerprint above cannot see it), is one line naming what changed: another reward_std would
     rescale the reward mid-run, another tokenizer score other token ids. Put back as they were,
-    the resume goes on."""
+    the resume goes on (with a warning: it samples with another engine than the run began with)."""
     stats = {"reward_mean": 0.5, "reward_std": 2.0}
     rm_dir, out, flags = stopped_against_a_random_reward_model(tmp_path, sft_model, **stats)
     resume = ppo(out, sft_model, *flags, "--resume", "latest")
@@ -183,8 +183,10 @@ def test_resume_checks_the_folders_config_and_tokenizer(tmp_path, sft_model):
     p = run_py("train_ppo.py", *resume)
     assert_one_line_error(p, f"--reward_model {rm_dir}: not the folder", "the tokenizer")
     json.dump(tokenizer, open(rm_dir / "tokenizer.json", "w"))
-    p = run_py("train_ppo.py", *resume)
+    # the resume samples with vLLM, the run began with the HF engine: allowed, and said
+    p = run_py("train_ppo.py", *resume, "--rollout_engine", "vllm")
     assert p.returncode == 0 and "at step 1" in p.stdout, p.stderr[-2000:]
+    assert "trained with the hf rollout engine, this resume samples with vllm" in p.stdout
 
 
 # (A plain "gae" case, 2 epochs without a reference, took ~36 s and checked nothing these two do
