@@ -20,6 +20,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_bad_input import assert_one_line_error
 
 import task
 from conftest import assert_same_tensors
@@ -403,6 +404,29 @@ def test_gemma2_softcapping_and_no_lm_head_in_vllm(tmp_path, gemma2_sft, engine)
     """vLLM refused the weight sync (no lm_head module), and SDPA dropped the soft-capping that
     vLLM applies (a logprob gap of 7e-3 to 2.3e-2): eager attention, and no lm_head sent."""
     family_case(tmp_path, gemma2_sft, engine)
+
+
+def test_an_untied_head_that_vllm_would_tie_is_refused(tmp_path):
+    """vLLM's Gemma 2 has no lm_head: it samples from the embeddings, and the sync leaves
+    lm_head.weight out. A Gemma 2 whose head was untied (a fine-tune) must not have its head left
+    out unsaid, the engine sampling from another policy: vLLM refuses the folder's lm_head.weight
+    as it builds the engine, and that is one line saying so."""
+    from transformers import AutoModelForCausalLM
+
+    tied = tmp_path / "tied"
+    build_gemma2(str(tied))
+    model = AutoModelForCausalLM.from_pretrained(tied)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    untied = tmp_path / "untied"
+    model.save_pretrained(untied)
+    for name in os.listdir(tied):
+        if "token" in name:
+            os.link(tied / name, untied / name)
+    args = ppo_args(str(tmp_path / "out"), str(untied), "vllm")
+    p = run_py("train_ppo.py", *args)
+    needles = ("vLLM could not build an engine", "no module or parameter named 'lm_head'")
+    assert_one_line_error(p, *needles, "--rollout_engine hf generates with transformers")
 
 
 @pytest.fixture(scope="module")
