@@ -38,6 +38,14 @@ def main(out):
     def latest():
         return open(os.path.join(root, "latest")).read().strip()
 
+    def failed_save(step):
+        """The line of a save of `step` that must fail."""
+        try:
+            checkpoint.save(args[0], step, *args[1:], keep_last=0)
+        except checkpoint.CheckpointError as e:
+            return str(e)
+        raise AssertionError(f"the save of step {step} did not fail")
+
     real = checkpoint.rng_state
 
     def full():
@@ -56,11 +64,8 @@ def main(out):
         rmtree(*a, **k)
 
     checkpoint.shutil.rmtree = slow_rmtree
-    try:
-        checkpoint.save(args[0], 1, *args[1:], keep_last=0)
-        raise AssertionError("the save did not fail")
-    except checkpoint.CheckpointError as e:
-        assert "no checkpoint is committed yet" in str(e) and "intact" not in str(e), e
+    message = failed_save(1)
+    assert "no checkpoint is committed yet" in message and "intact" not in message, message
     checkpoint.shutil.rmtree = rmtree
     checkpoint.rng_state = real
     assert checkpoint.save(args[0], 1, *args[1:], keep_last=0).endswith("step-00000001")
@@ -68,13 +73,9 @@ def main(out):
     # 1. A write that fails on rank 1 only fails the save on both ranks; step 1 stays latest.
     if rank == 1:
         checkpoint.rng_state = full
-    try:
-        checkpoint.save(args[0], 2, *args[1:], keep_last=0)
-        raise AssertionError("the save did not fail")
-    except checkpoint.CheckpointError as e:
-        message = str(e)
-        assert "rank 1: OSError" in message and "No space left" in message, e
-        assert "step-00000001, is intact and latest" in message, e
+    message = failed_save(2)
+    assert "rank 1: OSError" in message and "No space left" in message, message
+    assert "step-00000001, is intact and latest" in message, message
     # on_error="warn": no raise
     assert checkpoint.save(args[0], 2, *args[1:], keep_last=0, on_error="warn") is None
     checkpoint.rng_state = real
@@ -109,12 +110,9 @@ def main(out):
 
     if rank == 0:
         checkpoint._durable = durable
-    try:
-        checkpoint.save(args[0], 4, *args[1:], keep_last=0)
-        raise AssertionError("the save did not fail")
-    except checkpoint.CheckpointError as e:
-        assert "step-00000004: the save failed after its commit" in str(e), e
-        assert "it is committed and latest" in str(e), e
+    message = failed_save(4)
+    assert "step-00000004: the save failed after its commit" in message, message
+    assert "it is committed and latest" in message, message
     checkpoint._durable = real_durable
     dist.barrier()
     assert latest() == "step-00000004"
@@ -146,11 +144,8 @@ def main(out):
     checkpoint._run["branch"] = "step-00000003"
     if rank == 1:
         checkpoint.rng_state = full
-    try:
-        checkpoint.save(args[0], 4, *args[1:], keep_last=0)
-        raise AssertionError("the save did not fail")
-    except checkpoint.CheckpointError as e:
-        assert "step-00000004 not saved" in str(e) and "after its commit" not in str(e), e
+    message = failed_save(4)
+    assert "step-00000004 not saved" in message and "after its commit" not in message, message
     checkpoint.rng_state = real
     real_rename = checkpoint.os.rename
 
@@ -161,11 +156,8 @@ def main(out):
 
     if rank == 0:
         checkpoint.os.rename = rename
-    try:
-        checkpoint.save(args[0], 4, *args[1:], keep_last=0)
-        raise AssertionError("the save did not fail")
-    except checkpoint.CheckpointError as e:
-        assert "the previous checkpoint, step-00000003, is intact and latest" in str(e), e
+    message = failed_save(4)
+    assert "the previous checkpoint, step-00000003, is intact and latest" in message, message
     checkpoint.os.rename = real_rename
     dist.barrier()
     assert latest() == "step-00000003"

@@ -407,21 +407,28 @@ def test_keep_last_prunes_committed_checkpoints_on_the_store(store, tmp_path, on
     assert checkpoint.verify(f"{root}/step-00000002")["step"] == 2  # the kept ones are whole
 
 
+def two_steps_on_store(fs, tmp_path, run):
+    """s3://BUCKET/<run>/checkpoints with conftest's small checkpoints as step-1 and step-2, and
+    `latest` naming step-2; returns that checkpoints URL."""
+    from conftest import write_small_checkpoint
+
+    for k in (1, 2):
+        local = tmp_path / f"step-{k}"
+        local.mkdir()
+        write_small_checkpoint(local, k)
+        fs.put(str(local) + "/", f"{BUCKET}/{run}/checkpoints/step-{k:08d}/", recursive=True)
+    fs.pipe_file(f"{BUCKET}/{run}/checkpoints/latest", b"step-00000002\n")
+    return f"s3://{BUCKET}/{run}/checkpoints"
+
+
 def test_an_abandoned_latest_is_repointed_before_it_is_deleted(store, tmp_path, one_rank):
     """A run resumed from step-1 while `latest` names step-2 (a --resume PATH, or a fallback)
     deletes step-2 before saving its own step 2 there: `latest` first names the run's own
     checkpoint, so a save failing after the deletion leaves it naming one that verifies."""
     import checkpoint
-    from conftest import write_small_checkpoint
 
     fs, _ = store
-    root = f"s3://{BUCKET}/branch/checkpoints"
-    for k in (1, 2):
-        local = tmp_path / f"step-{k}"
-        local.mkdir()
-        write_small_checkpoint(local, k)
-        fs.put(str(local) + "/", f"{BUCKET}/branch/checkpoints/step-{k:08d}/", recursive=True)
-    fs.pipe_file(f"{BUCKET}/branch/checkpoints/latest", b"step-00000002\n")
+    root = two_steps_on_store(fs, tmp_path, "branch")
     checkpoint._run["branch"] = "step-00000001"  # as `resolve` sets it after the resume
     try:
         cleared = checkpoint._clear_step(f"{root}/step-00000002", "step-00000002", "warn")
@@ -523,16 +530,9 @@ def test_an_export_into_a_checkpoint_on_the_store_is_refused(store, tmp_path):
     into the checkpoint (which then failed verification, the fallback it was lost); so did one
     into another checkpoint, or as a step folder beside them. Refused in one line, as locally."""
     import checkpoint
-    from conftest import write_small_checkpoint
 
     fs, _ = store
-    root = f"s3://{BUCKET}/exports/checkpoints"
-    for k in (1, 2):
-        local = tmp_path / f"step-{k}"
-        local.mkdir()
-        write_small_checkpoint(local, k)
-        fs.put(str(local) + "/", f"{BUCKET}/exports/checkpoints/step-{k:08d}/", recursive=True)
-    fs.pipe_file(f"{BUCKET}/exports/checkpoints/latest", b"step-00000002\n")
+    root = two_steps_on_store(fs, tmp_path, "exports")
     src = f"{root}/step-00000002"
     refused = {
         f"{src}/hf": "inside the checkpoint",
