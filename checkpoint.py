@@ -819,11 +819,13 @@ def _is_fingerprints(value):
 
 def _is_folder_records(value):
     """Whether meta.json's "folders" is {flag: {"config": JSON object text, "generation": JSON
-    object text or "null", "tokenizer": sha256 hex}}, as `common.folder_identity` makes them."""
+    object text or "null", "tokenizer": sha256 hex, "versions": text}}, as
+    `common.folder_identity` makes them."""
     if type(value) is not dict:
         return False
     for record in value.values():
-        if type(record) is not dict or set(record) != {"config", "generation", "tokenizer"}:
+        keys = {"config", "generation", "tokenizer", "versions"}
+        if type(record) is not dict or set(record) != keys:
             return False
         if not all(type(text) is str for text in record.values()):
             return False
@@ -1526,9 +1528,14 @@ def _same_folder(path, saved, now, flag, args):
     saved None: a checkpoint from before these were recorded (2026-11-27)."""
     if saved is None:
         return
-    changed = _changed_settings("config.json", saved["config"], now["config"])
-    changed += _changed_settings("generation_config.json", saved["generation"], now["generation"])
-    if saved["tokenizer"] != now["tokenizer"]:
+    # Read by other versions of transformers or tokenizers (an upgrade between the start and the
+    # resume), the same files may give other default keys and another tokenizer serialisation:
+    # then only the values of keys both readings have are compared, and the tokenizer is not.
+    same = saved["versions"] == now["versions"]
+    changed = _changed_settings("config.json", saved["config"], now["config"], same)
+    generation = (saved["generation"], now["generation"], same)
+    changed += _changed_settings("generation_config.json", *generation)
+    if same and saved["tokenizer"] != now["tokenizer"]:
         changed.append("the tokenizer (vocabulary, special tokens or chat template)")
     if changed:
         shown = "; ".join(changed[:3])
@@ -1541,9 +1548,10 @@ def _same_folder(path, saved, now, flag, args):
         )
 
 
-def _changed_settings(name, saved, now):
+def _changed_settings(name, saved, now, every_key):
     """["<name>'s <key> <old> -> <new>", ...] between two `common.settings_json` texts (or
-    "null", no such file); read_meta checked the saved one parses."""
+    "null", no such file): of every key, or (every_key False) of the keys both have. read_meta
+    checked the saved one parses."""
     old = json.loads(saved)
     new = json.loads(now)
     if old == new:
@@ -1552,8 +1560,11 @@ def _changed_settings(name, saved, now):
         return [f"{name} added"]
     if new is None:
         return [f"{name} removed"]
+    keys = set(old) & set(new)
+    if every_key:
+        keys = set(old) | set(new)
     changed = []
-    for key in sorted(set(old) | set(new)):
+    for key in sorted(keys):
         if old.get(key, "(absent)") != new.get(key, "(absent)"):
             before = repr(old.get(key, "(absent)"))[:60]
             after = repr(new.get(key, "(absent)"))[:60]

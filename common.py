@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 import transformers.utils.logging
+from tokenizers import __version__ as tokenizers_version
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import OffloadPolicy
@@ -432,7 +433,9 @@ def folder_identity(path, flag="--model"):
     too (`weights_fingerprint`). meta.json keeps this record of each folder a run loads, and
     `checkpoint.load` refuses a resume whose folder now says otherwise: another rope_theta or
     rms_norm_eps, stop ids, chat template or vocabulary would change the run mid-way with the
-    weights unchanged. "generation" is "null" for a folder without generation_config.json."""
+    weights unchanged. "generation" is "null" for a folder without generation_config.json;
+    "versions" names the transformers and tokenizers that read the files (another version may
+    write other default keys, or serialise a tokenizer otherwise: `checkpoint._same_folder`)."""
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False).to_dict()
         generation = None
@@ -446,6 +449,9 @@ def folder_identity(path, flag="--model"):
     if generation is not None:
         identity["generation"] = settings_json(generation)
     identity["tokenizer"] = tokenizer_digest(tok)
+    identity["versions"] = (
+        f"transformers {transformers.__version__}, tokenizers {tokenizers_version}"
+    )
     return identity
 
 

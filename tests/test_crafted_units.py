@@ -71,6 +71,10 @@ def test_a_malformed_manifest_is_one_line(tmp_path, manifest):
     assert_cli_refuses(tmp_path, "manifest.json: ")
 
 
+# A well-formed record of a model folder (`common.folder_identity`), for the crafted ones below.
+FOLDER = {"config": "{}", "generation": "null", "tokenizer": "0" * 64, "versions": "v"}
+
+
 @pytest.mark.parametrize(
     "field,value",
     [
@@ -89,12 +93,13 @@ def test_a_malformed_manifest_is_one_line(tmp_path, manifest):
         ("frozen", {"model": [1.0]}),
         ("frozen", ["model"]),
         ("frozen", {"model": {"lm_head.weight": 10**400}}),  # an int isfinite cannot take
-        ("folders", {"model": {"config": "{}", "generation": "null"}}),  # the folders' records
-        ("folders", {"model": {"config": "[1]", "generation": "null", "tokenizer": "0" * 64}}),
-        ("folders", {"model": {"config": "{", "generation": "null", "tokenizer": "0" * 64}}),
-        ("folders", {"model": {"config": "{}", "generation": "1", "tokenizer": "0" * 64}}),
-        ("folders", {"model": {"config": "{}", "generation": "null", "tokenizer": "../x"}}),
-        ("folders", {"model": {"config": "[" * 10**5, "generation": "null", "tokenizer": "0"}}),
+        ("folders", {"model": {**FOLDER, "tokenizer": None}}),  # the folders' records
+        ("folders", {"model": {k: v for k, v in FOLDER.items() if k != "versions"}}),
+        ("folders", {"model": {**FOLDER, "config": "[1]"}}),
+        ("folders", {"model": {**FOLDER, "config": "{"}}),
+        ("folders", {"model": {**FOLDER, "generation": "1"}}),
+        ("folders", {"model": {**FOLDER, "tokenizer": "../x"}}),
+        ("folders", {"model": {**FOLDER, "config": "[" * 10**5}}),
         ("folders", ["model"]),
         ("engine", "vllm\nerror: made up"),  # PPO's rollout engine: a name only
     ],

@@ -692,9 +692,20 @@ def test_a_folders_identity_survives_a_re_save_and_names_an_edit(tmp_path):
     assert "config.json's rms_norm_eps 1e-06 -> 1e-05" in line and "rope_theta" in line
     assert "generation_config.json's eos_token_id 2 -> [2, 5]" in line and "1 more" in line
     os.unlink(tmp_path / "generation_config.json")
-    changed = checkpoint._changed_settings("generation_config.json", before["generation"], "null")
-    assert changed == ["generation_config.json removed"]
+    removed = ("generation_config.json", before["generation"], "null", True)
+    assert checkpoint._changed_settings(*removed) == ["generation_config.json removed"]
     checkpoint._same_folder("ckpt", None, after, "--model", args)  # an older checkpoint: unchecked
+    # read by another transformers or tokenizers (an upgrade before the resume): a key one
+    # reading has and the other lacks, and the tokenizer's serialisation, may be theirs alone
+    # and are not compared; a value both readings have still is
+    config = json.loads(after["config"])
+    config["a_default_of_another_version"] = 1
+    upgraded = {**after, "config": json.dumps(config), "versions": "transformers 9.0.0"}
+    checkpoint._same_folder("ckpt", after, upgraded, "--model", args)
+    with pytest.raises(checkpoint.CheckpointError, match="rms_norm_eps 1e-06 -> 1e-05") as e:
+        checkpoint._same_folder("ckpt", before, upgraded, "--model", args)
+    assert "a_default_of_another_version" not in str(e.value)
+    assert "the tokenizer" not in str(e.value)
 
 
 def test_named_chat_templates_end_a_response_as_the_default_one():
