@@ -6,6 +6,7 @@ starts over."""
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -53,14 +54,22 @@ def copy(done, tmp_path):
     return out
 
 
+# torchrun's own report of a failed rank: its log lines (glog's "E1127 10:32:28.839000 1772
+# torch/distributed/..." form), then a traceback from its own frame, or from tests/zygote.py's
+# where conftest.run forked it (tests/forked_torchrun.py)
+LAUNCHER_LOG = re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ torch/(distributed|multiprocessing)/")
+LAUNCHER_FRAME = re.compile(r'(/torchrun|tests/zygote\.py)", line')
+
+
 def assert_ranks_error(p, *needles):
     """Under torchrun: the ranks end in an `error:` line naming the problem, with no traceback of
     theirs (torchrun then reports the failed exit with a traceback of its own: not counted)."""
     assert p.returncode != 0
     lines = p.stderr.splitlines()
-    launcher = [i for i, line in enumerate(lines) if 'torchrun", line' in line]
+    launcher = [i for i, line in enumerate(lines) if LAUNCHER_FRAME.search(line)]
     if launcher:
         lines = lines[: launcher[0] - 1]
+    lines = [line for line in lines if not LAUNCHER_LOG.match(line)]
     assert not [line for line in lines if "Traceback" in line], p.stderr[-3000:]
     errors = [line for line in lines if line.startswith("error:")]
     assert errors and all(n in errors[0] for n in needles), p.stderr[-3000:]

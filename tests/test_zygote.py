@@ -1,5 +1,6 @@
-"""conftest.run_py forks most scripts from tests/zygote.py instead of starting Python: what a test
-sees of a run must be what a fresh `python SCRIPT ARGS` gives."""
+"""conftest.run_py forks most scripts from tests/zygote.py instead of starting Python, and
+conftest.run forks torchrun's ranks from it (tests/forked_torchrun.py): what a test sees of a run
+must be what a fresh `python SCRIPT ARGS`, or `torchrun ... SCRIPT ARGS`, gives."""
 
 import os
 import subprocess
@@ -8,6 +9,7 @@ import textwrap
 import pytest
 
 from conftest import NO_ZYGOTE
+from conftest import run
 from conftest import run_py
 
 SCRIPT = textwrap.dedent(
@@ -70,3 +72,56 @@ def test_a_stage_refuses_a_bad_flag_alike_either_way(monkeypatch):
     forked, fresh = both(monkeypatch, "train_sft.py", "--max_steps", "-1")
     assert forked.returncode == fresh.returncode == 1
     assert forked.stderr == fresh.stderr == "error: --max_steps -1: expected a number >= 1\n"
+
+
+RANKS = textwrap.dedent(
+    """
+    import atexit
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    # one write a line: the ranks share the pipe, unbuffered (`python -u`), and print writes its
+    # pieces one by one
+    atexit.register(lambda: sys.stdout.write(f"atexit ran {rank}\\n"))
+    where = os.path.basename(sys.path[0])
+    threads = torch.get_num_threads()
+    world = dist.get_world_size()
+    sys.stdout.write(f"out {rank} {world} {sys.argv[1:]} {where} {__name__} {threads}\\n")
+    dist.barrier()
+    dist.destroy_process_group()
+    if sys.argv[1] == "raise" and rank == 1:
+        raise ValueError("boom")
+    if sys.argv[1] == "message" and rank == 0:
+        sys.exit("error: a message")
+    sys.exit(int(sys.argv[1]))
+    """
+)
+
+
+def ranks_lines(text):
+    """The ranks' lines before their barrier, sorted (two ranks print in either order)."""
+    return sorted(line for line in text.splitlines() if line.startswith("out "))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["0", "3", "raise", "message"])
+def test_a_forked_torchrun_ends_as_a_fresh_one(tmp_path, monkeypatch, how):
+    """conftest.run forks torchrun's ranks from the zygote (tests/forked_torchrun.py): each rank
+    must end as torchrun's own `python -u SCRIPT` rank does."""
+    path = tmp_path / "ranks.py"
+    path.write_text(RANKS)
+    forked = run(path, how, check=False)
+    monkeypatch.setenv(NO_ZYGOTE, "1")
+    fresh = run(path, how, check=False)
+    assert forked.returncode == fresh.returncode == (0 if how == "0" else 1)
+    assert ranks_lines(forked.stdout) == ranks_lines(fresh.stdout)
+    assert f"out 0 2 ['{how}'] {tmp_path.name} __main__ 1" in forked.stdout
+    for line in ("[rank1]: ValueError: boom", "error: a message"):
+        assert (line in forked.stderr) == (line in fresh.stderr), line
+    if how == "0":  # where a rank fails, torchrun may stop the other before its atexit
+        assert "atexit ran 0" in forked.stdout and "atexit ran 1" in forked.stdout

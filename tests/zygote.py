@@ -72,6 +72,7 @@ def child(request):
     """Runs in the forked child; never returns."""
     status = 1
     try:
+        os.setsid()  # a group of its own, with whatever it forks: killed whole at the timeout
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -103,7 +104,7 @@ def wait(pid, timeout):
         if done:
             return status, False
         time.sleep(0.005)
-    os.kill(pid, signal.SIGKILL)
+    os.killpg(pid, signal.SIGKILL)  # the child and its forks (tests/forked_torchrun.py's ranks)
     return os.waitpid(pid, 0)[1], True
 
 
