@@ -30,6 +30,7 @@ import threading
 import torch
 import torch.distributed.run
 from torch.distributed.elastic.multiprocessing.errors import record
+from zygote import exit_status  # this file runs from tests/zygote.py, with tests/ on sys.path
 
 
 def unbuffered():
@@ -73,16 +74,6 @@ def run_script(training_script, *training_script_args):
     finish()
     if status != 0:
         os._exit(status)
-
-
-def exit_status(e):
-    """The process status of an uncaught SystemExit, as the interpreter makes it."""
-    if e.code is None:
-        return 0
-    if isinstance(e.code, int):
-        return e.code & 0xFF
-    print(e.code, file=sys.stderr)
-    return 1
 
 
 def main():
