@@ -977,7 +977,11 @@ def _clear_step(tmp, name, on_error):
         objstore.remove_prefix(tmp)
 
     # the _agree() round makes every rank wait for rank 0's deletion before writing
-    return _agree(clear, tmp, name, on_error)
+    cleared = _agree(clear, tmp, name, on_error)
+    if cleared and _run.get("latest") == name:
+        # what a failed save calls latest when the store cannot be read: not the deleted step
+        _run["latest"] = _run.get("branch")
+    return cleared
 
 
 def save(out_dir, step, roles, meta, hf_objs, keep_last, async_save=False, on_error="stop"):
@@ -1208,11 +1212,15 @@ def _prune(root, step, keep_last):
         return
     try:
         names, _ = _step_dirs(root)
+        older = [n for n in names if _step_of(n) < step]  # newest first
+        if objstore.is_url(root):
+            # a store lists a failed save's prefix too (no manifest: never resumed from, deleted
+            # at the next start); counted here, it would push a committed checkpoint out
+            older = [n for n in older if objstore.is_object(f"{root}/{n}/manifest.json")]
     # out of reach: rank 0 alone must not fail here
     except (CheckpointError, OSError, objstore.StoreError) as e:
         print(f"WARNING: pruning old checkpoints skipped ({e}); the next save retries", flush=True)
         return
-    older = [n for n in names if _step_of(n) < step]  # newest first
     # step-N is the newest kept: keep_last - 1 older ones stay with it
     pruned = older[keep_last - 1 :]
     for name in pruned:

@@ -241,7 +241,7 @@ def take_lock(out_dir, run_id):
     out, or its process gone on this machine). StoreError naming the holder otherwise. A thread
     renews the lease until this process ends."""
     url = os.path.join(out_dir, ".lock")
-    body = {"run": run_id, "host": socket.gethostname(), "pid": os.getpid()}
+    body = {"run": run_id, **pid_space(), "pid": os.getpid()}
     for _ in range(2):  # a stale lock is removed once, then created anew
         try:
             write_bytes(url, json.dumps({**body, "time": time.time()}).encode(), create=True)
@@ -283,7 +283,7 @@ def _lock_holder(url):
 
 
 def _stale(holder):
-    """A lock nobody holds: its lease ran out, or its process on this machine is gone. A time that
+    """A lock nobody holds: its lease ran out, or its process in this pid space is gone. A time that
     is no finite number, or further ahead than a lease (crafted, or a clock far off), holds no
     lease; a pid that no process can have is not checked (its lease decides)."""
     when = holder.get("time")
@@ -296,11 +296,41 @@ def _stale(holder):
     if not math.isfinite(age) or abs(age) > LEASE_S:
         return True
     pid = holder.get("pid")
-    if holder.get("host") != socket.gethostname() or type(pid) is not int:
-        return False  # another machine's live lease: only its expiry frees it
+    here = pid_space()
+    if any(holder.get(key) != value for key, value in here.items()) or type(pid) is not int:
+        return False  # another machine's (or container's) live lease: only its expiry frees it
     if not is_pid(str(pid)):
         return False
-    return not pid_alive(pid)
+    # our own pid: not a live holder (this process takes the lock once), but a dead run's whose
+    # pid this restarted process was given again
+    return pid == os.getpid() or not pid_alive(pid)
+
+
+def pid_space():
+    """What a pid in a lock is a pid of: the host, its boot (pids start again after a reboot) and
+    the pid namespace (containers on one host, `--network host` ones even under its name, each
+    count pids of their own). A process's pid is checked only where all three are ours; None
+    where /proc does not say (then the host decides, as before)."""
+    return {
+        "host": socket.gethostname(),
+        "boot": _proc_text("/proc/sys/kernel/random/boot_id"),
+        "pidns": _proc_link("/proc/self/ns/pid"),
+    }
+
+
+def _proc_text(path):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _proc_link(path):
+    try:
+        return os.readlink(path)  # "pid:[4026531836]"
+    except OSError:
+        return None
 
 
 def is_pid(text):

@@ -367,6 +367,59 @@ def test_a_live_lock_naming_an_impossible_pid_is_kept():
         objstore.take_lock(url, "mine")
 
 
+def a_dead_pid():
+    """A pid no process in this pid space has now (a child that has ended and been reaped)."""
+    import subprocess
+
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+@pytest.mark.parametrize("whose", ["a-dead-pid", "our-own-pid"])
+def test_a_dead_runs_lock_in_this_pid_space_is_taken_over(whose):
+    """A lock of this host, boot and pid namespace whose process is gone (a SIGKILLed run,
+    resumed at once) is stale; so is one naming this very process (which takes the lock once): a
+    dead run's pid given again to its restarted rank 0."""
+    import time
+
+    import objstore
+
+    pid = os.getpid()
+    if whose == "a-dead-pid":
+        pid = a_dead_pid()
+    url = f"memory://plainrlhf-locks/dead-{whose}"
+    fs, path = objstore.fs_of(url)
+    holder = {"run": "theirs", **objstore.pid_space(), "pid": pid, "time": time.time()}
+    fs.pipe_file(f"{path}/.lock", json.dumps(holder).encode())
+    objstore.take_lock(url, "mine")
+    assert json.loads(fs.cat_file(f"{path}/.lock"))["run"] == "mine"
+
+
+@pytest.mark.parametrize("space", ["another-pid-namespace", "another-boot", "no-record"])
+def test_a_live_lock_of_another_pid_space_is_kept(space):
+    """Same host name, fresh time, a pid no process here has: a container on this host with pids
+    of its own (`--network host` ones report the host's name), this host before a reboot, or a
+    lock of an older plainrlhf that did not say: the pid says nothing, so the lease decides (it
+    was taken over, and two runs shared the --out_dir)."""
+    import time
+
+    import objstore
+
+    holder = {"run": "theirs", **objstore.pid_space(), "pid": a_dead_pid(), "time": time.time()}
+    if space == "another-pid-namespace":
+        holder["pidns"] = "pid:[1]"
+    if space == "another-boot":
+        holder["boot"] = "00000000-0000-0000-0000-000000000000"
+    if space == "no-record":
+        del holder["pidns"], holder["boot"]
+    url = f"memory://plainrlhf-locks/live-{space}"
+    fs, path = objstore.fs_of(url)
+    fs.pipe_file(f"{path}/.lock", json.dumps(holder).encode())
+    with pytest.raises(objstore.StoreError, match="another run is using this --out_dir"):
+        objstore.take_lock(url, "mine")
+
+
 def test_a_lock_that_cannot_be_read_is_not_taken_over(monkeypatch):
     """The store failing on the lock's GET (a timeout, a 503) is no sign the holder is gone: the
     run stops with one line, and the live run's lock stays (it was deleted and taken over)."""

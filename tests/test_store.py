@@ -407,6 +407,28 @@ def test_keep_last_prunes_committed_checkpoints_on_the_store(store, tmp_path, on
     assert checkpoint.verify(f"{root}/step-00000002")["step"] == 2  # the kept ones are whole
 
 
+def test_keep_last_counts_only_committed_checkpoints_on_the_store(store, tmp_path, one_rank):
+    """A save that failed with the store unreachable for its clean-up too leaves its prefix (no
+    manifest; the next start deletes it). --keep_last counted it as a kept checkpoint and deleted
+    a committed one in its place: with the default 2, one checkpoint to resume from was left."""
+    import checkpoint
+    from conftest import write_small_checkpoint
+
+    fs, _ = store
+    root = two_steps_on_store(fs, tmp_path, "keep")
+    for k in (3, 4):
+        local = tmp_path / f"step-{k}"
+        local.mkdir()
+        write_small_checkpoint(local, k)
+        fs.put(str(local) + "/", f"{BUCKET}/keep/checkpoints/step-{k:08d}/", recursive=True)
+    fs.rm(f"{BUCKET}/keep/checkpoints/step-00000003/manifest.json")  # step 3's save failed
+    checkpoint._prune(root, 4, 2)  # step-4 just committed
+    fs.invalidate_cache()
+    assert checkpoint.verify(f"{root}/step-00000002")["step"] == 2  # kept with step-4
+    assert not fs.exists(f"{BUCKET}/keep/checkpoints/step-00000001/manifest.json")
+    assert fs.exists(f"{BUCKET}/keep/checkpoints/step-00000003/meta.json")  # the next start's
+
+
 def two_steps_on_store(fs, tmp_path, run):
     """s3://BUCKET/<run>/checkpoints with conftest's small checkpoints as step-1 and step-2, and
     `latest` naming step-2; returns that checkpoints URL."""
@@ -430,10 +452,14 @@ def test_an_abandoned_latest_is_repointed_before_it_is_deleted(store, tmp_path, 
     fs, _ = store
     root = two_steps_on_store(fs, tmp_path, "branch")
     checkpoint._run["branch"] = "step-00000001"  # as `resolve` sets it after the resume
+    checkpoint._run["latest"] = "step-00000002"  # what `latest` named at the start
     try:
         cleared = checkpoint._clear_step(f"{root}/step-00000002", "step-00000002", "warn")
+        # a later failed save, the store unreachable, calls this one latest, not the deleted step
+        assert checkpoint._run["latest"] == "step-00000001"
     finally:
         checkpoint._run.pop("branch")
+        checkpoint._run.pop("latest")
     assert cleared
     fs.invalidate_cache()
     assert not fs.exists(f"{BUCKET}/branch/checkpoints/step-00000002/manifest.json")
