@@ -15,12 +15,17 @@
 # rendezvous). MAX_RESTARTS (default 0) restarts the whole group when a rank dies; a restarted run
 # resumes from its latest checkpoint by itself. NPROC_PER_NODE overrides the process count.
 set -euo pipefail
+# A SIGTERM/SIGUSR1 before the first stage has started (during setup, or while torch is asked for
+# the GPU count) stops the script as one between stages does: nothing started, exit 0.
+trap 'STOPPED=1' TERM USR1
 cd "$(dirname "$0")"
 PY=.venv/bin/python
 
+VLLM_GPU='vllm==0.32.*'  # a GPU machine's vLLM (CUDA torch comes with it); part of the marker
+
 setup() {
   local want
-  if command -v nvidia-smi >/dev/null 2>&1; then want="gpu $(sha256sum requirements.txt)"; else want="cpu $(sha256sum requirements-cpu.txt)"; fi
+  if command -v nvidia-smi >/dev/null 2>&1; then want="gpu $(sha256sum requirements.txt) $VLLM_GPU"; else want="cpu $(sha256sum requirements-cpu.txt)"; fi
   if [ -x "$PY" ] && [ "$(cat .venv/.installed 2>/dev/null)" = "$want" ]; then return; fi
   # The pinned wheels are Python 3.11's. A venv of another Python, or without a working pip (cut
   # short, or made without ensurepip), is made anew, from a python3 that is 3.11.
@@ -33,7 +38,7 @@ setup() {
     python3 -m venv --clear .venv
   fi
   if [ "${want%% *}" = gpu ]; then
-    "$PY" -m pip install -r requirements.txt "vllm==0.32.*"  # CUDA torch comes with vllm
+    "$PY" -m pip install -r requirements.txt "$VLLM_GPU"
   else
     "$PY" -m pip install --no-deps -r requirements-cpu.txt
   fi
@@ -46,8 +51,14 @@ setup() {
 # one-line errors, and torchrun's report (a Python traceback and a failure table) says nothing more.
 # One line is added only when the first rank to fail did not exit with our status 1 (a signal, a
 # crash): then no line of ours explains it.
+# SIGTERM and SIGUSR1 reach torchrun too where a scheduler signals every process of the job (SLURM
+# signals a whole job step): torchrun would die of a USR1 and turn a TERM into a failure that
+# SIGKILLs the ranks 30 s later. It lets both pass (a Python handler that does nothing: the ranks,
+# exec-ed, start with the default action, not an inherited SIG_IGN; `--signals_to_handle` below
+# keeps torchrun from setting its own), and ends when the ranks have saved and exited.
 QUIET_TORCHRUN='
 import logging
+import signal
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -56,6 +67,8 @@ from torch.distributed.run import main
 for name in list(logging.root.manager.loggerDict):
     if name.startswith("torch.distributed"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+for sig in (signal.SIGTERM, signal.SIGUSR1):
+    signal.signal(sig, lambda *_: None)
 try:
     main(sys.argv[1:])
 except ChildFailedError as e:
@@ -84,26 +97,44 @@ run_torchrun() {
   if [ -n "${STOPPED:-}" ]; then return 0; fi
   "$PY" -c "$QUIET_TORCHRUN" --nnodes="${NNODES:-1}" --node_rank="${NODE_RANK:-0}" \
     --rdzv_backend=c10d --rdzv_endpoint="${MASTER_ADDR:-127.0.0.1}:$port" \
-    --nproc_per_node="$nproc" --max-restarts="${MAX_RESTARTS:-0}" "$script" "$@" &
+    --nproc_per_node="$nproc" --max-restarts="${MAX_RESTARTS:-0}" \
+    --signals_to_handle=SIGINT,SIGHUP,SIGQUIT "$script" "$@" &
   local pid=$! rc=0 pending=
-  # Preemption: SIGTERM/SIGUSR1 go to the training processes (torchrun's children) only. They finish the
-  # step, save and exit 0, so torchrun and this script exit 0; torchrun itself would count SIGTERM as a
-  # failure and SIGKILL its workers 30 s later. A signal that comes before torchrun has started its
-  # workers is passed on once they are there (`pending`; a worker still importing, its handler not
-  # yet set, ends with it and the stage fails: it had nothing to save). STOPPED tells demo and
-  # pipeline not to start the next stage (it would need this one's export).
+  # Preemption: SIGTERM/SIGUSR1 go to the training processes (torchrun's children). They finish the
+  # step, save and exit 0, so torchrun and this script exit 0. A signal is passed on only to ranks
+  # that have set their handler (`common.watch_signals`; SigCgt in /proc): it waits (`pending`)
+  # while they import, which would have killed them, and with MAX_RESTARTS the restarted group
+  # would have trained on as if no notice had come. One rank is enough: the ranks agree at the
+  # step's end. STOPPED tells demo and pipeline not to start the next stage (it would need this
+  # one's export).
   trap 'STOPPED=1; pending=TERM' TERM
   trap 'STOPPED=1; pending=USR1' USR1
   trap 'kill -INT "$pid" 2>/dev/null || true' INT  # Ctrl-C: torchrun stops its workers
   while kill -0 "$pid" 2>/dev/null; do
-    if [ -n "$pending" ] && pkill "-$pending" -P "$pid"; then pending=; fi
-    sleep 0.2  # a trap runs once this returns: a signal is passed on within 0.2 s
+    if [ -n "$pending" ] && signal_ready_ranks "$pid" "$pending"; then pending=; fi
+    # a trap runs once this returns: a signal is passed on within 0.2 s. `|| true`: a signal to
+    # every process of the job reaches this sleep too, and under `set -e` its death ended the script
+    sleep 0.2 || true
   done
   wait "$pid" && rc=0 || rc=$?
   # Between stages a signal only marks the stop (the traps above name this call's local pid).
   trap 'STOPPED=1' TERM USR1
   trap - INT
   return "$rc"
+}
+
+# Send signal $2 to those children of process $1 (torchrun's ranks) that catch it; false if none
+# does yet. SigCgt in /proc/PID/status: the caught signals, a hex mask, bit N-1 for signal N.
+signal_ready_ranks() {
+  local number child mask sent=1
+  number=$(kill -l "$2")
+  for child in $(pgrep -P "$1" || true); do
+    mask=$(awk '/^SigCgt:/ {print $2}' "/proc/$child/status" 2>/dev/null || true)
+    if [ -n "$mask" ] && (( (16#$mask >> (number - 1)) & 1 )); then
+      kill "-$2" "$child" 2>/dev/null && sent=0
+    fi
+  done
+  return "$sent"
 }
 
 # demo and pipeline, after each stage: a stage stopped by SIGTERM/SIGUSR1 saved and exited 0; the

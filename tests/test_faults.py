@@ -10,6 +10,7 @@ import socket
 import subprocess
 import time
 
+import psutil
 import pytest
 
 from conftest import REPO
@@ -154,6 +155,49 @@ def test_sigterm_to_the_launcher_saves_at_the_step_and_exits_0(tmp_path, straigh
     run("train_sft.py", *sft(out, addition_jsonl, "--resume", "latest"))
     assert_same_tensors(latest(straight), latest(out))
     assert metrics(straight) == metrics(out)
+
+
+def launch_sft(out, addition_jsonl):
+    """`./launch.sh sft` on 2 ranks, its output piped."""
+    env = {**os.environ, "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())}
+    cmd = ["bash", os.path.join(REPO, "launch.sh"), "sft", *map(str, sft(out, addition_jsonl))]
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def test_a_signal_to_every_process_of_the_job_saves_and_exits_0(tmp_path, addition_jsonl):
+    """SLURM signals a whole job step: launch.sh, torchrun, the ranks (and whatever launch.sh is
+    running at that instant) get the USR1 at once. torchrun died of it (exit 138) and a SIGTERM
+    made it fail and SIGKILL the ranks; a `sleep` of launch.sh's killed by it ended the script
+    under `set -e`. Now the ranks save at the step's end and everything exits 0."""
+    out = str(tmp_path)
+    proc = launch_sft(out, addition_jsonl)
+    wait_for(lambda: logged_steps(out) >= 3, proc)
+    job = psutil.Process(proc.pid)
+    for p in [job, *job.children(recursive=True)]:
+        try:
+            p.send_signal(signal.SIGUSR1)
+        except psutil.NoSuchProcess:
+            pass
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, log[-3000:]
+    k = logged_steps(out)
+    assert k < N and latest(out).endswith(f"step-{k:08d}"), log[-3000:]
+    assert "stopping after step" in log, log[-3000:]
+
+
+def test_a_sigterm_while_the_ranks_import_waits_for_their_handlers(tmp_path, addition_jsonl):
+    """A SIGTERM as the ranks start, before they set their handler (`common.watch_signals`): it
+    killed them (the stage failed, and with MAX_RESTARTS the restarted group trained on as if no
+    notice had come). launch.sh now passes it on once a rank catches it: saved, exit 0."""
+    out = str(tmp_path)
+    proc = launch_sft(out, addition_jsonl)
+    wait_for(lambda: len(workers(proc.pid)) == 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, log[-3000:]
+    assert "stopping after step 1" in log and latest(out).endswith("step-00000001"), log[-3000:]
 
 
 def test_a_pipeline_stopped_by_sigterm_starts_no_next_stage(tmp_path, addition_jsonl):
