@@ -961,6 +961,19 @@ def _remove_unfinished(tmp):
         pass  # the next run's start deletes what is left: a prefix without a manifest
 
 
+def _check_lock_kept(out_dir):
+    """Collective, on a store: stop, whatever --on_save_error says, if another run has taken this
+    run's lock over (rank 0's heartbeat found it there: this run went a lease without renewing,
+    stalled or suspended). The folder is the other run's now: nothing is written or deleted."""
+    lost = [objstore.lock_lost(out_dir)]
+    dist.broadcast_object_list(lost, src=0)  # rank 0 holds the lock: every rank stops alike
+    if lost[0] is not None:
+        raise CheckpointError(
+            f"{out_dir}: another run took this run's lock over ({repr(lost[0])[:200]}) after it "
+            "went a lease without renewing it; nothing was saved or changed: this run stops"
+        )
+
+
 def _clear_step(tmp, name, on_error):
     """Collective, on a store: rank 0 deletes an abandoned branch's step-N (a run resumed from
     before it), manifest first; False if that failed (with on_error 'warn')."""
@@ -1005,6 +1018,8 @@ def save(out_dir, step, roles, meta, hf_objs, keep_last, async_save=False, on_er
         _async_group.append(dist.new_group(backend="gloo"))
     future = []
 
+    if objstore.is_url(tmp):
+        _check_lock_kept(out_dir)
     if objstore.is_url(tmp) and not _clear_step(tmp, name, on_error):
         return None
 

@@ -372,11 +372,35 @@ def _release(url, run_id):
         pass
 
 
+# lock URL -> the holder found in this run's place: another run took the lock over, this one
+# having gone LEASE_S without a renewal (a stalled or suspended process); `lock_lost` reads it
+_lost = {}
+
+
 def _renew(url, body):
-    """The heartbeat: rewrite the lock with a fresh time every LEASE_S / 4 (errors: next time)."""
+    """The heartbeat: rewrite the lock with a fresh time every LEASE_S / 4 (errors: next time),
+    until another run is found holding it."""
     while True:
         time.sleep(LEASE_S / 4)
-        try:
-            write_bytes(url, json.dumps({**body, "time": time.time()}).encode())
-        except Exception:  # noqa: BLE001 - the store down for a while: the lease allows for it
-            pass
+        if not renew_once(url, body):
+            return
+
+
+def renew_once(url, body):
+    """One heartbeat; False once the lock is another run's. Rewriting it then (as it once did)
+    would take it back from a run that took it over as stale, and both would write the folder."""
+    try:
+        holder = _lock_holder(url)
+        # None: gone (written anew below); {}: no run's (crafted, garbled): taken back as well
+        if holder and holder.get("run", body["run"]) != body["run"]:
+            _lost[url] = holder
+            return False
+        write_bytes(url, json.dumps({**body, "time": time.time()}).encode())
+    except Exception:  # noqa: BLE001 - the store down for a while: the lease allows for it
+        pass
+    return True
+
+
+def lock_lost(out_dir):
+    """The run that took this process's lock of out_dir over (its lock as a dict), or None."""
+    return _lost.get(os.path.join(out_dir, ".lock"))

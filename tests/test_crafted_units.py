@@ -420,6 +420,25 @@ def test_a_live_lock_of_another_pid_space_is_kept(space):
         objstore.take_lock(url, "mine")
 
 
+def test_a_heartbeat_that_finds_another_run_in_its_lock_stops():
+    """A run that went a lease without renewing (stalled, suspended) finds its lock taken over
+    as stale: its heartbeat rewrote it, taking it back from the live run, and both went on
+    writing the folder. Now the heartbeat stops and records the new holder (`lock_lost`), and the
+    run's next save stops (`checkpoint._check_lock_kept`, tests/test_store.py)."""
+    import objstore
+
+    url = "memory://plainrlhf-locks/taken-over"
+    fs, path = objstore.fs_of(url)
+    objstore.take_lock(url, "mine")
+    body = {"run": "mine", **objstore.pid_space(), "pid": os.getpid()}
+    assert objstore.renew_once(f"{url}/.lock", body) and objstore.lock_lost(url) is None
+    theirs = {"run": "theirs", "host": "elsewhere", "pid": 1, "time": 1.0}
+    fs.pipe_file(f"{path}/.lock", json.dumps(theirs).encode())
+    assert not objstore.renew_once(f"{url}/.lock", body)
+    assert json.loads(fs.cat_file(f"{path}/.lock"))["run"] == "theirs"
+    assert objstore.lock_lost(url) == theirs
+
+
 def test_a_lock_that_cannot_be_read_is_not_taken_over(monkeypatch):
     """The store failing on the lock's GET (a timeout, a 503) is no sign the holder is gone: the
     run stops with one line, and the live run's lock stays (it was deleted and taken over)."""

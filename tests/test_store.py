@@ -429,6 +429,24 @@ def test_keep_last_counts_only_committed_checkpoints_on_the_store(store, tmp_pat
     assert fs.exists(f"{BUCKET}/keep/checkpoints/step-00000003/meta.json")  # the next start's
 
 
+def test_a_run_whose_lock_was_taken_over_saves_nothing(store, tmp_path, monkeypatch, one_rank):
+    """Another run took the lock over (this one stalled past its lease; rank 0's heartbeat found
+    it, `objstore.renew_once`): a save stops on every rank, whatever --on_save_error says, before
+    anything is written or deleted (a failed save's clean-up would delete a step prefix the other
+    run may be writing)."""
+    import checkpoint
+    import objstore
+
+    fs, _ = store
+    out = f"s3://{BUCKET}/taken-over"
+    monkeypatch.setitem(objstore._lost, f"{out}/.lock", {"run": "theirs"})
+    monkeypatch.setitem(checkpoint._run, "id", "stalled1")  # as `resolve` set it at the start
+    with pytest.raises(checkpoint.CheckpointError, match="another run took this run's lock over"):
+        checkpoint.save(out, 2, {}, {}, (), keep_last=2, on_error="warn")
+    fs.invalidate_cache()
+    assert not fs.exists(f"{BUCKET}/taken-over")
+
+
 def two_steps_on_store(fs, tmp_path, run):
     """s3://BUCKET/<run>/checkpoints with conftest's small checkpoints as step-1 and step-2, and
     `latest` naming step-2; returns that checkpoints URL."""
