@@ -113,8 +113,9 @@ run_torchrun() {
   while kill -0 "$pid" 2>/dev/null; do
     if [ -n "$pending" ] && signal_ready_ranks "$pid" "$pending"; then pending=; fi
     # a trap runs once this returns: a signal is passed on within 0.2 s. `|| true`: a signal to
-    # every process of the job reaches this sleep too, and under `set -e` its death ended the script
-    sleep 0.2 || true
+    # every process of the job reaches this sleep too, and under `set -e` its death ended the
+    # script; the braces' 2>/dev/null takes bash's own "Terminated" line for it
+    { sleep 0.2 || true; } 2>/dev/null
   done
   wait "$pid" && rc=0 || rc=$?
   # Between stages a signal only marks the stop (the traps above name this call's local pid).

@@ -185,6 +185,7 @@ def test_a_signal_to_every_process_of_the_job_saves_and_exits_0(tmp_path, additi
     k = logged_steps(out)
     assert k < N and latest(out).endswith(f"step-{k:08d}"), log[-3000:]
     assert "stopping after step" in log, log[-3000:]
+    assert "User defined signal" not in log, log[-3000:]  # bash's line for its killed sleep
 
 
 def test_a_sigterm_while_the_ranks_import_waits_for_their_handlers(tmp_path, addition_jsonl):
