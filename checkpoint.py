@@ -1020,8 +1020,8 @@ def save(out_dir, step, roles, meta, hf_objs, keep_last, async_save=False, on_er
 
     if objstore.is_url(tmp):
         _check_lock_kept(out_dir)
-    if objstore.is_url(tmp) and not _clear_step(tmp, name, on_error):
-        return None
+        if not _clear_step(tmp, name, on_error):
+            return None
 
     # What can fail on one rank only is agreed on before DCP starts: a rank failing after it
     # would leave the others in DCP's collectives, or an async save's thread writing into a temp

@@ -20,17 +20,18 @@ Usage (from conftest.run): forked_torchrun.py TORCHRUN_ARGS SCRIPT ARGS, with SC
 absolute.
 """
 
-import atexit
 import io
 import os
 import runpy
 import sys
-import threading
 
 import torch
 import torch.distributed.run
 from torch.distributed.elastic.multiprocessing.errors import record
-from zygote import exit_status  # this file runs from tests/zygote.py, with tests/ on sys.path
+
+# this file runs from tests/zygote.py, with tests/ on sys.path
+from zygote import exit_status
+from zygote import finish
 
 
 def unbuffered():
@@ -45,14 +46,6 @@ def unbuffered():
         errors="backslashreplace",
         write_through=True,
     )
-
-
-def finish():
-    """What the interpreter does at exit before its last flush."""
-    threading._shutdown()  # non-daemon threads are joined before atexit handlers run
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
 
 
 def run_script(training_script, *training_script_args):

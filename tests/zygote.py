@@ -88,12 +88,17 @@ def child(request):
         except BaseException:
             traceback.print_exc()
             status = 1
-        threading._shutdown()  # the interpreter joins non-daemon threads before atexit
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        finish()
     finally:
         os._exit(status)
+
+
+def finish():
+    """What the interpreter does at exit before its last flush."""
+    threading._shutdown()  # non-daemon threads are joined before atexit handlers run
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
 
 
 def wait(pid, timeout):
