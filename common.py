@@ -39,6 +39,7 @@ import typing
 import warnings
 
 import numpy as np
+import tokenizers
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
@@ -991,6 +992,7 @@ def load_model_and_tokenizer(
     model, info = load_weights(path, classifier_class(config, cls), kwargs, flag)
     model.fresh_head = check_all_loaded(path, info["missing_keys"], new_head, flag)
     check_generation_config(path, model, flag)
+    check_special_tokens_known(tok, path, flag)
     if tok.eos_token_id is None:
         raise SystemExit(f"error: {flag} {path}: the tokenizer has no EOS token")
     if tok.pad_token_id is None:
@@ -1066,6 +1068,31 @@ def check_generation_config(path, model, flag):
                 f"{where}: eos_token_id {token_id!r} is no token of the model "
                 f"(expected ids 0 to {rows - 1})"
             )
+
+
+def check_special_tokens_known(tok, path, flag):
+    """EOS and BOS must be tokens of the folder's tokenizer.json. One that only
+    tokenizer_config.json names (a hand edit, a template copied from another model) is added by
+    transformers as a new token at the next free id: past the embedding matrix that is an index
+    error at the first forward, and inside a padded one (the tiny model's 128 rows for 99 tokens)
+    an embedding row the model never trained, which every response would end with, silently."""
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):  # a SentencePiece-only folder: transformers converts its model
+        return
+    try:
+        vocabulary = tokenizers.Tokenizer.from_file(file)
+    except Exception:  # transformers read it a moment ago; nothing to compare with otherwise
+        return
+    for name in ("eos_token", "bos_token"):
+        token = getattr(tok, name)
+        if token is None or vocabulary.token_to_id(token) is not None:
+            continue
+        raise SystemExit(
+            f"error: {flag} {path}: tokenizer_config.json's {name} {token!r} is not in "
+            f"tokenizer.json: transformers would add it as a new token (id "
+            f"{tok.convert_tokens_to_ids(token)}) the model never trained; name a token "
+            "tokenizer.json holds"
+        )
 
 
 def check_num_labels(path, config, num_labels, flag):

@@ -605,6 +605,16 @@ def edit_json(name, change):
             edit_json("generation_config.json", {"eos_token_id": [2, 10**6]}),
             "eos_token_id 1000000 is no token of the model",
         ),
+        (
+            # 99 tokens, 128 embedding rows: transformers adds it at id 99, an untrained row
+            edit_json("tokenizer_config.json", {"eos_token": "<|end|>"}),
+            "eos_token '<|end|>' is not in tokenizer.json: transformers would add it as a new "
+            "token (id 99) the model never trained",
+        ),
+        (
+            edit_json("tokenizer_config.json", {"bos_token": "<bos>"}),
+            "bos_token '<bos>' is not in tokenizer.json",
+        ),
     ],
     ids=[
         "config-field-type",
@@ -617,12 +627,15 @@ def edit_json(name, change):
         "template-syntax",
         "eos-a-string",
         "eos-outside-the-vocabulary",
+        "eos-token-not-in-tokenizer-json",
+        "bos-token-not-in-tokenizer-json",
     ],
 )
 def test_a_crafted_model_folder_is_one_line(tmp_path, damage, needle):
     """Crafted fields in a model folder were tracebacks from deep in transformers or Jinja, some
     at load, some at the first prompt or the first evaluation (a stop id outside the vocabulary:
-    hours in, for SFT; vLLM's request check, for PPO). In process: the loader itself."""
+    hours in, for SFT; vLLM's request check, for PPO), or went on silently (an EOS that
+    tokenizer.json lacks, added by transformers on an untrained row). In process: the loader."""
     import shutil
 
     from transformers import AutoModelForCausalLM
