@@ -565,10 +565,35 @@ def load_jsonl(path, fields):
         raise SystemExit(f"error: {path}: {e.strerror or e}") from None
 
 
+# A JSONL row is one example: a longer line is no row (a whole minified JSON array on one line,
+# a binary file), and reading it whole first could take the machine's memory
+MAX_LINE_BYTES = 64 * 2**20
+
+
+def _lines(f):
+    """The lines of a binary file, each read no further than MAX_LINE_BYTES + 1 bytes."""
+    while True:
+        raw = f.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        yield raw
+
+
 def _read_jsonl(path, fields):
     """load_jsonl's reading and checking."""
+    with open(path, "rb") as f:
+        return _check_rows(path, fields, _lines(f))
+
+
+def _check_rows(path, fields, lines):
+    """_read_jsonl's rows, checked line by line: [(where, row)]."""
     rows = []
-    for n, raw in enumerate(open(path, "rb"), 1):
+    for n, raw in enumerate(lines, 1):
+        if len(raw) > MAX_LINE_BYTES:
+            raise SystemExit(
+                f"error: {path}:{n}: a line longer than {MAX_LINE_BYTES >> 20} MiB; expected "
+                "JSONL, one JSON object of one example per line"
+            )
         encoding = "utf-8"
         if n == 1:
             encoding = "utf-8-sig"  # a byte-order mark, as Notepad and PowerShell write one

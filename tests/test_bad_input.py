@@ -663,6 +663,26 @@ def test_a_read_error_names_the_file():
         common.load_jsonl("/proc/self/mem", ["prompt"])
 
 
+def test_a_line_too_long_to_be_a_row_is_one_line_read_no_further(tmp_path, monkeypatch):
+    """A whole dataset minified onto one line (a JSON array, not JSONL) or a binary file: the
+    line was read whole, decoded and parsed before its shape was checked (minutes, and the
+    machine's memory, for gigabytes). Now one line once MAX_LINE_BYTES are read (1 MiB here)."""
+    import common
+
+    monkeypatch.setattr(common, "MAX_LINE_BYTES", 2**20)
+    path = tmp_path / "array.json"
+    row = '{"prompt": "1+1=", "response": "2"}'
+    path.write_text(row + "\n[" + ", ".join([row] * 40_000) + "]")  # 1.4 MB, no newline
+    with pytest.raises(SystemExit) as exit_info:
+        common.load_jsonl(str(path), ["prompt", "response"])
+    assert exit_info.value.code == (
+        f"error: {path}:2: a line longer than 1 MiB; expected JSONL, one JSON object of one "
+        "example per line"
+    )
+    path.write_text(row + "\n" + row)  # the last line without its newline is a row
+    assert len(common.load_jsonl(str(path), ["prompt", "response"])) == 2
+
+
 def test_a_byte_order_mark_is_not_bad_input(tmp_path):
     """A JSONL file that starts with a UTF-8 byte-order mark (Notepad, PowerShell) is read."""
     import common
