@@ -1371,7 +1371,29 @@ def clip_grad_norm(model, max_norm, role):
     return grad_norm
 
 
-# ---- the end of every step -----------------------------------------------------------------------
+# ---- resume, evaluation, the end of every step ---------------------------------------------------
+def resume(args, roles, sched, must_match, frozen=None, folders=None):
+    """(the step to go on from, the checkpoint resumed or None): SFT's, RM's and DPO's --resume.
+    The checkpoint --resume names (`checkpoint.resolve`) is loaded into `roles`, checked against
+    this run (`must_match`, frozen weights, model folders: `checkpoint.load`) and its learning-rate
+    schedule put back. The RNG is restored last, inside load: nothing may draw from it before
+    step 1. PPO resumes an engine and β too, in its own main."""
+    final = checkpoint.resolve(args.out_dir, args.resume)
+    if not final:
+        return 0, None
+    meta = checkpoint.load(final, roles, vars(args), must_match, frozen, folders)
+    checkpoint.restore_scheduler(sched, meta.get("scheduler"), f"{final}/meta.json")
+    print0(f"resumed from {final} at step {meta['step']}")
+    return meta["step"], final
+
+
+def eval_due(args, step):
+    """Whether `step` evaluates on the held-out data: every --eval_every steps (0: never), and
+    the last step always."""
+    every = args.eval_every > 0 and step % args.eval_every == 0
+    return every or step == args.max_steps
+
+
 def end_of_step(args, step, device, roles, meta, hf_objs):
     """Collective: save a checkpoint when one is due, and say whether the run stops here.
 

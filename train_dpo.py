@@ -33,7 +33,6 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 from transformers import get_cosine_schedule_with_warmup
 
-import checkpoint
 import common
 import task
 
@@ -323,15 +322,10 @@ def main(args):
     # and that its config.json, generation config and tokenizer are those the run began with
     folders = {"model": common.folder_identity(args.model)}
 
-    start = 0
-    final = checkpoint.resolve(args.out_dir, args.resume)
-    if final:  # the RNG is restored last, inside load: nothing may draw from it before step 1
-        must_match = ["model", "data", "seed", "train_batch_size", "micro_batch_size"]
-        must_match += ["beta", "label_smoothing", "loss_type"]
-        meta = checkpoint.load(final, roles, vars(args), must_match, frozen, folders)
-        checkpoint.restore_scheduler(sched, meta.get("scheduler"), f"{final}/meta.json")
-        start = meta["step"]
-        common.print0(f"resumed from {final} at step {start}")
+    # flags a resume may not change: the examples each step sees, and the loss
+    must_match = ["model", "data", "seed", "train_batch_size", "micro_batch_size"]
+    must_match += ["beta", "label_smoothing", "loss_type"]
+    start, final = common.resume(args, roles, sched, must_match, frozen, folders)
     # the rows a killed run logged after the checkpoint go (all of them on a fresh start)
     metrics_log.truncate(start if final else None)
     if held_out and not final:
@@ -351,8 +345,7 @@ def main(args):
         metrics = train_step(args, model, reference, optim, sched, mine, pad_id, device)
         metrics["train/epoch"] = epoch
         metrics["time/step_s"] = time.time() - t0
-        is_eval_step = args.eval_every and step % args.eval_every == 0
-        if held_out and (step == args.max_steps or is_eval_step):
+        if held_out and common.eval_due(args, step):
             metrics["eval/accuracy"] = common.greedy_accuracy(
                 model, tok, held_out, stop_ids, device
             )

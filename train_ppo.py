@@ -1303,8 +1303,7 @@ def main(args):
             kl_coef = update_kl_coef(kl_coef, metrics["objective/kl"], args.target_kl, n_responses)
         # rank 0's responses, to check that a resumed run samples the same tokens
         metrics["rollout/responses_sha"] = hash_responses(gen.response_ids)
-        is_eval_step = args.eval_every and step % args.eval_every == 0
-        if held_out and (step == args.max_steps or is_eval_step):
+        if held_out and common.eval_due(args, step):
             metrics.update(evaluate(args, engine, tok, models, held_out, device))
             common.print0(eval_line(step, metrics))
         metrics_log.log(metrics, step)

@@ -39,7 +39,6 @@ from tqdm import tqdm
 from transformers import AutoModelForSequenceClassification
 from transformers import get_cosine_schedule_with_warmup
 
-import checkpoint
 import common
 import task
 
@@ -332,16 +331,11 @@ def main(args):
     # a resume builds the model from --model's config.json and tokenises with its tokenizer
     # again: they must be those the run began with (`checkpoint.load`)
     folders = {"model": common.folder_identity(args.model)}
-    start = 0
-    final = checkpoint.resolve(args.out_dir, args.resume)
-    if final:  # the RNG is restored last, inside load: nothing may draw from it before step 1
-        # --pairs_per_prompt makes the embedded training set (its size orders the batches)
-        must_match = ["model", "data", "seed", "train_batch_size", "micro_batch_size", "margin"]
-        must_match += ["pairs_per_prompt"]
-        meta = checkpoint.load(final, roles, vars(args), must_match, folders=folders)
-        checkpoint.restore_scheduler(sched, meta.get("scheduler"), f"{final}/meta.json")
-        start = meta["step"]
-        common.print0(f"resumed from {final} at step {start}")
+    # flags a resume may not change: the examples each step sees (--pairs_per_prompt makes the
+    # embedded training set, whose size orders the batches) and the loss
+    must_match = ["model", "data", "seed", "train_batch_size", "micro_batch_size", "margin"]
+    must_match += ["pairs_per_prompt"]
+    start, final = common.resume(args, roles, sched, must_match, folders=folders)
     # the rows a killed run logged after the checkpoint go (all of them on a fresh start)
     metrics_log.truncate(start if final else None)
 
@@ -355,9 +349,8 @@ def main(args):
         metrics = train_step(args, model, optim, sched, mine, tok.pad_token_id, device)
         metrics["train/epoch"] = epoch
         metrics["time/step_s"] = time.time() - t0
-        is_eval_step = args.eval_every and step % args.eval_every == 0
         batch = args.micro_batch_size
-        if held_out and (step == args.max_steps or is_eval_step):
+        if held_out and common.eval_due(args, step):
             metrics.update(evaluate(model, held_out, tok.pad_token_id, batch, device))
             common.print0(f"step {step}: held-out pair accuracy {metrics['eval/accuracy']:.3f}")
         if step == args.max_steps:
