@@ -1687,7 +1687,8 @@ def export(path, out, role=None):
     reward model (train_rm.py) as a sequence-classification model with one label. Either side may
     be on a store. A local `out` is written whole or not at all: into a sibling folder, fsynced,
     then renamed into place (`_install`), so a kill or a full disk never leaves a half export
-    where the next stage would load it."""
+    where the next stage would load it. A store's is uploaded with its config.json last
+    (`objstore.upload_export`): a half upload is a prefix nothing loads."""
     manifest = verify(path)
     roles = read_meta(path)["roles"]
     role = role or roles[0]
@@ -1697,7 +1698,10 @@ def export(path, out, role=None):
         _check_export_prefix(out, path)
         with tempfile.TemporaryDirectory() as local:
             _export_from(path, manifest, role, os.path.join(local, "out"), local)
-            _store_call(objstore.upload_folder, out, os.path.join(local, "out"))
+            # config.json last, after the earlier export's stale weights are gone: a kill leaves
+            # the earlier export whole, or a prefix without config.json, which nothing loads
+            upload = os.path.join(local, "out")
+            _store_call(objstore.upload_export, out, upload, _is_export_name)
         return
     _check_export_folder(out, path, manifest)
     parent, name = os.path.split(os.path.abspath(out))
@@ -1739,6 +1743,15 @@ EXPORT_FILES = {
     "vocab.txt",
     "merges.txt",
 }
+
+
+def _is_export_name(rel):
+    """Whether an object under a store export's prefix is named as an export's files are (a weight
+    shard of any count, EXPORT_FILES, a named chat template): an earlier export's, which a new
+    upload deletes where it does not overwrite it (`objstore.upload_export`)."""
+    shard = rel.startswith("model-") and rel.endswith(".safetensors") and "-of-" in rel
+    template = rel.startswith("additional_chat_templates/") and rel.endswith(".jinja")
+    return rel in EXPORT_FILES or shard or template
 
 
 def _is_export_file(root, name, tokenizer_files):
@@ -1783,8 +1796,8 @@ def _check_export_prefix(out, path):
     """On a store, as `_check_export_folder` locally: OUT may not be the checkpoint exported or
     inside it, nor inside another checkpoint (a prefix holding manifest.json) or a step beside
     them (its parent's `latest` names a step): the upload would add objects its manifest does not
-    list, and that checkpoint fail verification. (An upload adds and overwrites objects, and
-    deletes none: a user's own objects under OUT stay.)"""
+    list, and that checkpoint fail verification. (An upload deletes only an earlier export's
+    files, `_is_export_name`: a user's own objects under OUT stay.)"""
     out = out.rstrip("/")
     if out == path.rstrip("/") or out.startswith(path.rstrip("/") + "/"):
         raise CheckpointError(f"{out}: inside the checkpoint {path}; export it somewhere else")

@@ -235,6 +235,32 @@ def upload_folder(url, local):
             fs.put_file(os.path.join(folder, name), os.path.join(path, rel))
 
 
+@_translated
+def upload_export(url, local, is_exports):
+    """An HF folder (an export) to url/, config.json last. transformers and vLLM load no folder
+    without one, so a failure or a kill mid-way leaves a prefix that loads nothing, never a mix of
+    two exports that loads: an earlier export's config.json is deleted first, and, before the new
+    one is written, its objects the new export does not write and `is_exports(name)` calls an
+    export's (weights in another layout: a stale model.safetensors would be loaded in place of
+    new shards). Other objects under url/ (a user's) stay."""
+    fs, path = fs_of(url)
+    config = os.path.join(path, "config.json")
+    fs.invalidate_cache()
+    if fs.isfile(config):
+        fs.rm_file(config)
+    written = set()
+    for folder, _, names in os.walk(local):
+        for name in names:
+            rel = os.path.relpath(os.path.join(folder, name), local)
+            written.add(rel)
+            if rel != "config.json":
+                fs.put_file(os.path.join(folder, name), os.path.join(path, rel))
+    for rel in _objects(url):
+        if rel not in written and is_exports(rel):
+            fs.rm_file(os.path.join(path, rel))
+    fs.put_file(os.path.join(local, "config.json"), config)
+
+
 # ---- the run lock: a conditional create, a lease, a heartbeat ------------------------------------
 def take_lock(out_dir, run_id):
     """Create out_dir/.lock only if absent (If-None-Match: *); take over a stale one (its lease run

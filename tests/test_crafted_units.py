@@ -734,3 +734,45 @@ def test_verify_says_of_every_checkpoint_given_whether_it_is_ok(tmp_path):
     (good / "x\nerror: made up").unlink()
     p = run_py("checkpoint.py", "verify", good, timeout=60)
     assert p.returncode == 0 and p.stdout.strip() == f"{good}: ok, step 1", p.stdout
+
+
+# ---- an export to a store (objstore.upload_export), on fsspec's in-memory store ---------------
+def test_a_store_export_writes_config_json_last_and_drops_stale_weights(tmp_path, monkeypatch):
+    """An export to a store was uploaded file by file, config.json anywhere in the order, over an
+    earlier export whose other objects stayed: a kill mid-way left a prefix that loads (one
+    export's config.json, the two exports' files mixed), and new weight shards sat beside the
+    earlier model.safetensors, which transformers loads first. Now the earlier config.json goes
+    first, then the new files, then the earlier export's files not overwritten, then the new
+    config.json; a user's own object stays."""
+    import objstore
+
+    url = "memory://plainrlhf-exports/hf"
+    fs, path = objstore.fs_of(url)
+    earlier = {"config.json": b"old", "model.safetensors": b"old", "tokenizer.json": b"old"}
+    for name, data in {**earlier, "notes.txt": b"mine"}.items():
+        fs.pipe_file(f"{path}/{name}", data)
+    new = {"config.json": b"new", "tokenizer.json": b"new", "model.safetensors.index.json": b"{}"}
+    new.update({f"model-0000{i}-of-00002.safetensors": b"shard" for i in (1, 2)})
+    for name, data in new.items():
+        (tmp_path / name).write_bytes(data)
+    put_file = type(fs).put_file
+    puts = []  # the names uploaded, in order
+    fail_at = [3]  # the upload that fails (the store going away mid-way); 0: none
+
+    def recorded_put(self, lpath, rpath, **kwargs):
+        puts.append(os.path.basename(rpath))
+        if len(puts) == fail_at[0]:
+            raise ConnectionError("the store went away")
+        return put_file(self, lpath, rpath, **kwargs)
+
+    monkeypatch.setattr(type(fs), "put_file", recorded_put)
+    with pytest.raises(objstore.StoreError, match="ConnectionError: the store went away"):
+        objstore.upload_export(url, str(tmp_path), checkpoint._is_export_name)
+    assert not fs.exists(f"{path}/config.json")  # a prefix that loads nothing, not a mix
+    puts.clear()
+    fail_at[0] = 0
+    objstore.upload_export(url, str(tmp_path), checkpoint._is_export_name)
+    assert puts[-1] == "config.json" and sorted(puts) == sorted(new)
+    left = {rel: fs.cat_file(f"{path}/{rel}") for rel in objstore.listing(url)}
+    assert left == {**new, "notes.txt": b"mine"}
+    fs.rm(path, recursive=True)
