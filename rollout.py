@@ -40,9 +40,9 @@ _MISSING = object()  # an attribute a class did not have (`_keep_decoration_to_t
 class Generation:
     """Per request, prompt-major: prompt 0's n samples, then prompt 1's, ..."""
 
-    response_ids: list  # [N][len_i] token ids, ending with EOS when `finished`
+    response_ids: list  # [N][len_i] token ids, ending with a stop id when `finished`
     logprobs: list  # [N][len_i] logprob of each sampled token under the sampling distribution
-    finished: list  # [N] True: stopped at EOS; False: cut at max_new_tokens
+    finished: list  # [N] True: stopped at a stop id (EOS, end of turn); False: cut
 
 
 def prompt_seed(seed, step, index):
@@ -241,7 +241,7 @@ def _device_settings(gpu, gpu_memory_utilization, enforce_eager):
             enforce_eager=enforce_eager,
             enable_sleep_mode=True,
         )
-    # CPU: fp32 so logprobs match the fp32 actor (~1e-5; bf16 differs by up to 0.15); a fixed KV
+    # CPU: fp32 so logprobs match the fp32 actor (~1e-7; bf16 differs by up to 0.15); a fixed KV
     # cache (by default vLLM-CPU takes a share of RAM); eager, as CUDA graphs do not exist.
     # Threads: torchrun sets OMP_NUM_THREADS=1 per rank, which the in-process engine inherits, so
     # 2 ranks on 2 cores do not fight. Set thread counts before building the engine: vLLM then

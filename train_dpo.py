@@ -9,9 +9,10 @@ a pair; the Bradley–Terry loss of train_rm.py on that implicit reward is eq. 7
     L = -log sigmoid(beta [(log pi(y_c|x) - log ref(y_c|x)) - (log pi(y_r|x) - log ref(y_r|x))])
 
 The policy and the frozen reference both start from the SFT export; the reference is FSDP2-sharded
-like the policy, with no gradients. Pairs are those of train_rm.py (`task.make_pairs` by default).
-Checkpoints, preemption, faults and exact resume as in train_sft.py; the final policy is exported
-as a causal LM that train_ppo.py, vLLM and transformers load.
+like the policy, with no gradients. Pairs have train_rm.py's format; by default the embedded
+`task.make_pairs("train")`, one near miss per prompt (train_rm.py's default takes 4). Checkpoints,
+preemption, faults and exact resume as in train_sft.py; the final policy is exported as a causal
+LM that train_ppo.py, vLLM and transformers load.
 
     torchrun --nproc_per_node=2 train_dpo.py --model runs/sft/hf --out_dir runs/dpo --resume latest
     torchrun --nproc_per_node=8 train_dpo.py --model my_sft --data pairs.jsonl --beta 0.1
@@ -290,7 +291,7 @@ def main(args):
     # The policy stays in eval mode (from_pretrained's), dropout off, as in the DPO authors' code
     # (`disable_dropout`) and TRL's (`disable_dropout=True`): the implicit reward
     # β·log(π/π_ref) then compares the two models themselves, not a dropout mask, and at step 1
-    # the loss is exactly log 2 for any model.
+    # h = 0 and the sigmoid loss is exactly log 2 for any model (ipo: 1/(4β²)).
     model.eval()
     # The model folder's generation_config goes to the export (with the responses' end among its
     # stop ids); greedy evaluation runs with no decoding defaults of the model's own (cf.

@@ -74,7 +74,7 @@ class Args(common.RunArgs):
     ppo_epochs: int = 2
     """passes over each iteration's rollouts, reshuffled every pass [N policy #7]"""
     lr: float = 1e-4
-    """actor learning rate (AdamW, eps 1e-5 [N general #5], linear decay to 0)"""
+    """actor learning rate (AdamW, eps 1e-5 [37 core #3], linear decay to 0 [N general #5])"""
     critic_lr: float = 1e-3
     """critic learning rate"""
     warmup_steps: int = 0
@@ -563,7 +563,7 @@ def logprob_diff_threshold(flag, device):
 
 
 def adamw(model, lr):
-    """AdamW with eps 1e-5 [N general #5]. fused: its element-wise math in one kernel for all
+    """AdamW with eps 1e-5 [37 core #3]. fused: its element-wise math in one kernel for all
     parameters, on CPU and CUDA (README: Benchmarks)."""
     return torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-5, fused=True)
 
@@ -785,8 +785,9 @@ def rule_scores(spec, prompts, responses, flag="--reward_fn"):
 
 @torch.no_grad()
 def score(args, tok, models, prompt_texts, responses, finished, device):
-    """(2) Raw scores [B]: the rule reward on the decoded text, or the reward model's score of its
-    own tokenisation of it. Collective with a reward model (a sharded forward)."""
+    """(2) Scores [B], before the EOS penalty: the rule reward on the decoded text, or the reward
+    model's score of its own tokenisation of it, normalised with its config's reward_mean and
+    reward_std unless --reward_norm false. Collective with a reward model (a sharded forward)."""
     texts = tok.batch_decode(responses, skip_special_tokens=True)
     if models.reward_model is None:
         return rule_scores(args.reward_fn, prompt_texts, texts)
@@ -924,7 +925,7 @@ def old_logprobs_and_values(args, models, tok, prompt_ids, responses, order, dev
 def logprob_gap(exp, engine_logprobs, order):
     """|log pi_engine(y_t) - log pi_old(y_t)| for every sampled token, [B, R], zero on padding:
     the engine's logprobs (sampling distribution, temperature applied) against the actor's own.
-    It proves, every step, that PPO trains the policy the responses were sampled from: about 1e-6
+    It proves, every step, that PPO trains the policy the responses were sampled from: about 1e-7
     on CPU (fp32 both), about 1e-2 with a bf16 engine on GPU. A stale weight sync, a sampling
     setting the trainer does not apply or a mismatched attention kernel shows up here first."""
     mask = exp.batch.response_mask
