@@ -241,8 +241,8 @@ def _device_settings(gpu, gpu_memory_utilization, enforce_eager):
             enforce_eager=enforce_eager,
             enable_sleep_mode=True,
         )
-    # CPU: fp32 so logprobs match the fp32 actor (1e-7 to 1e-6; bf16 differs by up to 0.15); a fixed KV
-    # cache (by default vLLM-CPU takes a share of RAM); eager, as CUDA graphs do not exist.
+    # CPU: fp32 so logprobs match the fp32 actor (1e-7 to 1e-6; bf16 differs by up to 0.15); a
+    # fixed KV cache (by default vLLM-CPU takes a share of RAM); eager, as CUDA graphs do not exist.
     # Threads: torchrun sets OMP_NUM_THREADS=1 per rank, which the in-process engine inherits, so
     # 2 ranks on 2 cores do not fight. Set thread counts before building the engine: vLLM then
     # freezes them.

@@ -925,9 +925,10 @@ def old_logprobs_and_values(args, models, tok, prompt_ids, responses, order, dev
 def logprob_gap(exp, engine_logprobs, order):
     """|log pi_engine(y_t) - log pi_old(y_t)| for every sampled token, [B, R], zero on padding:
     the engine's logprobs (sampling distribution, temperature applied) against the actor's own.
-    It proves, every step, that PPO trains the policy the responses were sampled from: 1e-7 to 1e-6
-    on average on CPU (fp32 both), about 1e-2 with a bf16 engine on GPU. A stale weight sync, a sampling
-    setting the trainer does not apply or a mismatched attention kernel shows up here first."""
+    It proves, every step, that PPO trains the policy the responses were sampled from: 1e-7 to
+    1e-6 on average on CPU (fp32 both), about 1e-2 with a bf16 engine on GPU. A stale weight sync,
+    a sampling setting the trainer does not apply or a mismatched attention kernel shows up here
+    first."""
     mask = exp.batch.response_mask
     R = mask.shape[1]
     rows = []
