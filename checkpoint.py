@@ -1796,8 +1796,8 @@ def _check_export_prefix(out, path):
     """On a store, as `_check_export_folder` locally: OUT may not be the checkpoint exported or
     inside it, nor inside another checkpoint (a prefix holding manifest.json) or a step beside
     them (its parent's `latest` names a step): the upload would add objects its manifest does not
-    list, and that checkpoint fail verification. (An upload deletes only an earlier export's
-    files, `_is_export_name`: a user's own objects under OUT stay.)"""
+    list, and that checkpoint fail verification. (An upload deletes only objects named as an
+    export's files, `_is_export_name`; others under OUT stay, whoever wrote them.)"""
     out = out.rstrip("/")
     if out == path.rstrip("/") or out.startswith(path.rstrip("/") + "/"):
         raise CheckpointError(f"{out}: inside the checkpoint {path}; export it somewhere else")

@@ -565,15 +565,16 @@ def load_jsonl(path, fields):
         raise SystemExit(f"error: {path}: {e.strerror or e}") from None
 
 
-# A JSONL row is one example: a longer line is no row (a whole minified JSON array on one line,
-# a binary file), and reading it whole first could take the machine's memory
+# A JSONL row is one example: a longer line (its line ending not counted) is no row (a whole
+# minified JSON array on one line, a binary file), and reading it whole could take the memory
 MAX_LINE_BYTES = 64 * 2**20
 
 
 def _lines(f):
-    """The lines of a binary file, each read no further than MAX_LINE_BYTES + 1 bytes."""
+    """The lines of a binary file, each read no further than MAX_LINE_BYTES + 2 bytes (a row of
+    MAX_LINE_BYTES and its CRLF)."""
     while True:
-        raw = f.readline(MAX_LINE_BYTES + 1)
+        raw = f.readline(MAX_LINE_BYTES + 2)
         if not raw:
             return
         yield raw
@@ -589,7 +590,7 @@ def _check_rows(path, fields, lines):
     """_read_jsonl's rows, checked line by line: [(where, row)]."""
     rows = []
     for n, raw in enumerate(lines, 1):
-        if len(raw) > MAX_LINE_BYTES:
+        if len(raw.rstrip(b"\r\n")) > MAX_LINE_BYTES:
             raise SystemExit(
                 f"error: {path}:{n}: a line longer than {MAX_LINE_BYTES >> 20} MiB; expected "
                 "JSONL, one JSON object of one example per line"
@@ -1101,12 +1102,13 @@ def check_special_tokens_known(tok, path, flag):
     transformers as a new token at the next free id: past the embedding matrix that is an index
     error at the first forward, and inside a padded one (the tiny model's 128 rows for 99 tokens)
     an embedding row the model never trained, which every response would end with, silently."""
-    file = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(file):  # a SentencePiece-only folder: transformers converts its model
-        return
     try:
+        # the folder's file, or a hub id's as the tokenizer's load just cached it (no download)
+        file = transformers.utils.cached_file(path, "tokenizer.json", local_files_only=True)
         vocabulary = tokenizers.Tokenizer.from_file(file)
-    except Exception:  # transformers read it a moment ago; nothing to compare with otherwise
+    # none (a SentencePiece-only folder: transformers converted its model), or one transformers
+    # read a moment ago and this cannot: nothing to compare with
+    except Exception:
         return
     for name in ("eos_token", "bos_token"):
         token = getattr(tok, name)

@@ -242,7 +242,7 @@ def upload_export(url, local, is_exports):
     two exports that loads: an earlier export's config.json is deleted first, and, before the new
     one is written, its objects the new export does not write and `is_exports(name)` calls an
     export's (weights in another layout: a stale model.safetensors would be loaded in place of
-    new shards). Other objects under url/ (a user's) stay."""
+    new shards). Objects not named as an export's stay, whoever wrote them."""
     fs, path = fs_of(url)
     config = os.path.join(path, "config.json")
     fs.invalidate_cache()

@@ -681,6 +681,11 @@ def test_a_line_too_long_to_be_a_row_is_one_line_read_no_further(tmp_path, monke
     )
     path.write_text(row + "\n" + row)  # the last line without its newline is a row
     assert len(common.load_jsonl(str(path), ["prompt", "response"])) == 2
+    # a row of exactly the limit is one, whatever its line ending (CRLF: the limit + 2 bytes)
+    fill = 2**20 - len('{"prompt": "", "response": "2"}')
+    longest = '{"prompt": "' + "x" * fill + '", "response": "2"}'
+    path.write_bytes(f"{longest}\r\n{longest}\n{row}".encode())
+    assert len(common.load_jsonl(str(path), ["prompt", "response"])) == 3
 
 
 def test_a_byte_order_mark_is_not_bad_input(tmp_path):
