@@ -1281,6 +1281,8 @@ def resolve(out_dir, resume):
     plan = shared[0]
     if plan["error"]:
         raise CheckpointError(plan["error"])
+    if not objstore.is_url(out_dir):
+        _check_shared(out_dir, plan["run_id"])
     _run["id"] = plan["run_id"]
     _run["latest"] = plan["latest"]  # for a failed save's message when the store is unreachable
     mode = resume
@@ -1320,8 +1322,10 @@ def _start(out_dir, resume):
     if objstore.is_url(out_dir):
         return _start_store(out_dir, resume)
     root = os.path.join(out_dir, "checkpoints")
+    run_id = uuid.uuid4().hex[:8]
     try:
         _lock(out_dir)
+        _name_run_in_lock(run_id)
         for rel in RUN_FILES:
             path = os.path.join(out_dir, rel)
             if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
@@ -1334,7 +1338,51 @@ def _start(out_dir, resume):
         return {"candidates": [], "error": str(e)}
     except OSError as e:
         return {"candidates": [], "error": f"{out_dir}: {e.strerror}: {e.filename}"}
-    return {"candidates": paths, "error": error, "run_id": uuid.uuid4().hex[:8]}
+    return {"candidates": paths, "error": error, "run_id": run_id}
+
+
+def _name_run_in_lock(run_id):
+    """Rank 0, holding out_dir/.lock: this run's id in it, on disk, for `_check_shared`."""
+    f = _run["lock"][1]
+    f.truncate(0)  # the file is opened for appending: the id is then all it holds
+    f.write(run_id + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _check_shared(out_dir, run_id):
+    """Collective: every rank must see rank 0's out_dir. On several nodes with a folder of each
+    node's own (a relative or node-local --out_dir), each node's ranks would write their shards to
+    their own disk: the first save fails ("written by another rank, not here") hours in, and with
+    --on_save_error warn every save fails, for days. Rank 0 wrote this run's id into out_dir/.lock
+    (`_name_run_in_lock`); every rank reads it back, or all stop here, before any step."""
+    seen = dist.get_rank() == 0 or _sees_run(out_dir, run_id)
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (seen, socket.gethostname()))  # every rank stops, or none
+    for rank, (ok, host) in enumerate(views):
+        if not ok:
+            raise CheckpointError(
+                f"{out_dir}: rank {rank} (on {host}) does not see rank 0's files there (its .lock "
+                "does not name this run); every rank must write to one folder all of them see "
+                "(a shared filesystem), or to an object store (s3://...)"
+            )
+
+
+# A network filesystem may show another node's write a little late: this many tries, 0.25 s apart
+SHARED_TRIES = 40
+
+
+def _sees_run(out_dir, run_id):
+    """Whether out_dir/.lock, read here, names run_id."""
+    for _ in range(SHARED_TRIES):
+        try:
+            with open_regular(os.path.join(out_dir, ".lock"), "rb") as f:
+                if f.read(64).decode("utf-8", "replace").strip() == run_id:
+                    return True
+        except (OSError, CheckpointError):
+            pass  # not there (yet), or not a regular file: not rank 0's
+        time.sleep(0.25)
+    return False
 
 
 def _start_store(out_dir, resume):

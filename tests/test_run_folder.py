@@ -294,6 +294,37 @@ def test_a_second_run_into_the_same_out_dir_is_refused(tmp_path, addition_jsonl)
     assert [r["step"] for r in metrics(out)] == list(range(1, k + 1))
 
 
+# Two "nodes" on one machine: each rank starts in a folder of its own, picked by its RANK
+NODE_LOCAL_SITE = """
+import os
+if "RANK" in os.environ and "PLAINRLHF_TEST_NODE_DIRS" in os.environ:
+    os.chdir(os.environ["PLAINRLHF_TEST_NODE_DIRS"].split(",")[int(os.environ["RANK"])])
+"""
+
+
+def test_an_out_dir_a_rank_does_not_see_is_refused_before_any_step(tmp_path, addition_jsonl):
+    """A relative --out_dir on two nodes names a folder on each node's own disk. Each rank wrote
+    its shards there, and the first save failed on rank 0 ("written by another rank, not here")
+    after its steps; with --on_save_error warn every save did, while the run trained on. Now the
+    ranks read back the id rank 0 wrote into out_dir/.lock (`checkpoint._check_shared`): one line,
+    before any step. Here each rank's working directory stands for its node."""
+    import socket
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NODE_LOCAL_SITE)
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    env = {"PYTHONPATH": str(site), "PLAINRLHF_TEST_NODE_DIRS": ",".join(map(str, nodes))}
+    args = sft("run", addition_jsonl, "--on_save_error", "warn")
+    p = run("train_sft.py", *args, check=False, env=env)
+    host = socket.gethostname()
+    assert_ranks_error(p, f"run: rank 1 (on {host}) does not see rank 0's files there")
+    assert not os.path.exists(nodes[0] / "run" / "metrics.jsonl")  # no step was taken
+    assert not os.path.exists(nodes[1] / "run" / "checkpoints")
+
+
 def test_resume_latest_with_every_checkpoint_damaged_stops(copy, addition_jsonl):
     root = os.path.join(copy, "checkpoints")
     shard = os.path.join(root, "step-00000004", "dcp", "__0_0.distcp")
