@@ -76,12 +76,14 @@ def assert_ranks_error(p, *needles):
 
 
 def snapshot(root):
-    """{relative path: bytes} of every file below root (to show nothing was changed)."""
+    """{relative path: bytes} of every file below root (to show nothing was changed), but the run
+    lock: every run that takes it writes its id there (`checkpoint._name_run_in_lock`)."""
     found = {}
     for folder, _, names in os.walk(root):
         for name in names:
             path = os.path.join(folder, name)
             found[os.path.relpath(path, root)] = open(path, "rb").read()
+    found.pop(".lock", None)
     return found
 
 
