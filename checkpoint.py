@@ -1272,6 +1272,9 @@ def resolve(out_dir, resume):
     what killed runs left, and lists the checkpoints to try; all ranks verify them together
     (_choose); every rank gets the pick ('' = start fresh) and the run's id (its temp dirs'
     names)."""
+    _run["restarted"] = _agree_restarted()
+    if _run["restarted"] and not resume:
+        resume = "latest"  # torchrun --max-restarts restarted the group: carry on where it stopped
     plan = {"candidates": [], "error": None, "run_id": None, "latest": None}
     if dist.get_rank() == 0:
         plan.update(_start(out_dir, resume))
@@ -1489,9 +1492,20 @@ def _started_from(path, resume):
     )
 
 
+def _agree_restarted():
+    """Collective: whether torchrun --max-restarts restarted this process group, said alike on
+    every rank. Each node counts its own restarts: on several nodes, one restarted because
+    another node's rank failed still says 0 (TORCHELASTIC_RESTART_COUNT), and would start fresh
+    where the others resume."""
+    mine = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, mine)
+    return any(flags)
+
+
 def _restarted():
-    """Whether torchrun --max-restarts restarted this process group."""
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    """Whether torchrun restarted this process group (`resolve` agreed on it)."""
+    return _run.get("restarted", False)
 
 
 def _choose(paths, resume):

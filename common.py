@@ -237,10 +237,8 @@ def parse_args(cls, limits):
         raise SystemExit(
             "error: --tensorboard needs the tensorboard package: pip install tensorboard"
         )
-    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-    if restarted and not args.resume:
-        # torchrun --max-restarts restarted the group: carry on where it stopped
-        args.resume = "latest"
+    # (a group torchrun restarted resumes from latest: `checkpoint.resolve`, once every rank
+    # agrees it was restarted)
     return args
 
 
@@ -273,14 +271,17 @@ def init_distributed(seed, timeout_minutes=30.0):
     Collectives fail after timeout_minutes (a peer dead or stuck), where they would hang forever.
     Returns (rank, world size, device)."""
     if "RANK" in os.environ:
+        check_restarts_can_meet()
         store, rank, world = next(dist.rendezvous("env://"))
     else:
         store = dist.HashStore()
         rank = 0
         world = 1
-    # torchrun restarts reuse its store; unprefixed, a new group read dead peers' addresses (gloo)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)
-    store = dist.PrefixStore(f"attempt{attempt}/", store)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's restarts reuse its agent's store; unprefixed, a new group read dead peers'
+        # addresses (gloo). One node counts every restart of its group alike.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"attempt{attempt}/", store)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -304,6 +305,25 @@ def init_distributed(seed, timeout_minutes=30.0):
     torch.manual_seed(seed + rank)
     watch_signals()
     return rank, dist.get_world_size(), device
+
+
+def check_restarts_can_meet():
+    """torchrun on several nodes, with restarts, and its default store shared by every round: a
+    restarted group could not form. Each node counts its own restarts (TORCHELASTIC_RESTART_COUNT):
+    a node whose rank failed counts one, a node restarted because another's did counts none, so
+    their ranks would wait under different prefixes of that store (`init_distributed`) until the
+    timeout, restart after restart. With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 each round gets a
+    store of its own (rank 0 serves it on a new port) and no prefix is needed; launch.sh sets it."""
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if shared and nodes > 1 and restarts > 0:
+        raise SystemExit(
+            f"error: torchrun on {nodes} nodes with --max-restarts {restarts} shares one store "
+            "between its restarts, and each node counts its restarts apart: a restarted group "
+            "could not form. Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node (launch.sh "
+            "does)"
+        )
 
 
 SIGNALS = []  # SIGTERM/SIGUSR1 received: the step ends with a checkpoint, then the run exits 0

@@ -90,7 +90,17 @@ run_torchrun() {
   # One node: a free port of the system's choosing (two runs on one machine never collide);
   # several nodes must agree on one, 29500 unless MASTER_PORT says otherwise.
   local port=${MASTER_PORT:-0}
-  if [ "${NNODES:-1}" != 1 ]; then port=${MASTER_PORT:-29500}; fi
+  if [ "${NNODES:-1}" != 1 ]; then
+    port=${MASTER_PORT:-29500}
+    if [ -z "${MASTER_ADDR:-}" ]; then  # each node would wait for the others on its own loopback
+      echo "error: NNODES=$NNODES needs MASTER_ADDR: node 0's address, the same on every node" >&2
+      return 2
+    fi
+    # Each node counts its own restarts, so with torchrun's store shared by every round the
+    # nodes of a restarted group could not meet (`common.py: check_restarts_can_meet`); a store
+    # of each round's own needs no count.
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+  fi
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
   # Signalled between stages (demo, pipeline), or while the line above asked torch: not started.

@@ -688,6 +688,22 @@ def test_a_line_too_long_to_be_a_row_is_one_line_read_no_further(tmp_path, monke
     assert len(common.load_jsonl(str(path), ["prompt", "response"])) == 3
 
 
+def test_restarts_on_several_nodes_through_one_shared_store_are_refused(tmp_path):
+    """torchrun on 2 nodes with --max-restarts and its default store, shared by every round: each
+    node counts its own restarts, so a restarted group waited under two store prefixes until the
+    timeout (`common.check_restarts_can_meet`). One line instead, before any rendezvous; the
+    environment is what torchrun gives a rank of such a run."""
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "GROUP_WORLD_SIZE": "2"}
+    env.update({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"})
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})  # never reached
+    p = run_py("train_sft.py", "--out_dir", tmp_path / "out", env=env)
+    assert_one_line_error(
+        p,
+        "torchrun on 2 nodes with --max-restarts 3 shares one store",
+        "Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node",
+    )
+
+
 def test_a_byte_order_mark_is_not_bad_input(tmp_path):
     """A JSONL file that starts with a UTF-8 byte-order mark (Notepad, PowerShell) is read."""
     import common
@@ -731,3 +747,15 @@ def test_a_memory_store_under_two_ranks_is_refused_at_the_start(tmp_path):
     assert_one_line_error(p, "memory:// is one process's memory; 2 ranks need a store")
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert len(set(lines)) == 1, p.stderr  # the same line from each rank, nothing else
+
+
+def test_several_nodes_without_master_addr_is_one_line(tmp_path):
+    """`NNODES=2 ./launch.sh sft` without MASTER_ADDR: each node hosted its own rendezvous on its
+    loopback and waited for the others there, then failed with a traceback after 10 minutes."""
+    cmd = ["bash", os.path.join(REPO, "launch.sh"), "sft", "--out_dir", tmp_path / "out"]
+    env = {**os.environ, **CPU_ONLY, "NNODES": "2"}
+    env.pop("MASTER_ADDR", None)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert p.returncode == 2
+    assert_one_line_error(p, "error: NNODES=2 needs MASTER_ADDR: node 0's address")
+    assert not (tmp_path / "out").exists()

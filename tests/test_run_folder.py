@@ -327,6 +327,31 @@ def test_an_out_dir_a_rank_does_not_see_is_refused_before_any_step(tmp_path, add
     assert not os.path.exists(nodes[1] / "run" / "checkpoints")
 
 
+# A restart seen by rank 1 only, as on a node torchrun restarted while another node's did not
+RESTARTED_ON_ONE_NODE_SITE = """
+import os
+if os.environ.get("RANK") == "1":
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
+"""
+
+
+def test_a_restart_one_node_counted_resumes_on_every_rank(copy, tmp_path, addition_jsonl):
+    """torchrun on several nodes: a node whose rank failed counts a restart, one restarted because
+    of it counts none (TORCHELASTIC_RESTART_COUNT 0). Each rank decided alone: a rank 0 that said
+    0 took the run for a fresh one, refused its folder of checkpoints ("holds an earlier run's"),
+    and the group died instead of resuming. Now the ranks agree (`checkpoint._agree_restarted`):
+    every rank resumes from latest. Per-round stores, as launch.sh sets on several nodes."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(RESTARTED_ON_ONE_NODE_SITE)
+    env = {"PYTHONPATH": str(site), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    args = sft(copy, addition_jsonl, "--max_steps", 6, "--timeout_minutes", 1)
+    p = run("train_sft.py", *args, check=False, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"resumed from {copy}/checkpoints/step-00000004 at step 4" in p.stdout + p.stderr
+    assert logged_steps(copy) == 6
+
+
 def test_resume_latest_with_every_checkpoint_damaged_stops(copy, addition_jsonl):
     root = os.path.join(copy, "checkpoints")
     shard = os.path.join(root, "step-00000004", "dcp", "__0_0.distcp")

@@ -211,11 +211,15 @@ def test_pickle_payloads_are_refused(tmp_path, addition_jsonl):
     assert not marker.exists()
 
 
-def test_torchrun_restarts_a_killed_rank_and_resumes(tmp_path, straight, addition_jsonl):
+@pytest.mark.parametrize("store", ["shared", "per-round"])
+def test_torchrun_restarts_a_killed_rank_and_resumes(tmp_path, straight, addition_jsonl, store):
     """launch.sh passes --max-restarts: when a rank dies the group restarts, and the restarted run
     (TORCHELASTIC_RESTART_COUNT > 0) resumes from latest by itself and ends with the same weights.
-    Without init_distributed's per-attempt store prefix this failed 3 times in 5 here (gloo could
-    not connect: the new group read the dead group's addresses)."""
+    shared: torchrun's default, one store for every round; without init_distributed's per-attempt
+    store prefix this failed 3 times in 5 here (gloo could not connect: the new group read the
+    dead group's addresses). per-round: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, what launch.sh sets
+    on several nodes (`common.check_restarts_can_meet`): rank 0 serves a new store each round,
+    used without a prefix."""
     import psutil
 
     out = str(tmp_path)
@@ -223,8 +227,11 @@ def test_torchrun_restarts_a_killed_rank_and_resumes(tmp_path, straight, additio
     script = os.path.join(REPO, "train_sft.py")
     launcher = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1"]
     cmd = [*launcher, script, *map(str, args)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    if store == "per-round":
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
     killed = False
     while proc.poll() is None and not killed:  # SIGKILL rank 1 once a checkpoint exists
