@@ -16,7 +16,9 @@ ordinary HF folder, so it loads through `from_pretrained` exactly like a user's 
 import json
 import os
 import random
+import socket
 import sys
+import uuid
 
 import torch
 
@@ -199,7 +201,9 @@ def ensure_tiny_model(path=TINY_MODEL, seed=0):
         torch.manual_seed(seed)
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
-    tmp = f"{weights}.tmp{os.getpid()}"
+    # a name of this process's own: ranks of several nodes on a shared filesystem may run this at
+    # once, and containers on two nodes may give them the same pid
+    tmp = f"{weights}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     save_model(model, tmp, metadata={"format": "pt"})
     os.replace(tmp, weights)  # atomic: concurrent callers each write a full file, one wins
 
