@@ -1360,19 +1360,41 @@ def _check_shared(out_dir, run_id):
     --on_save_error warn every save fails, for days. Rank 0 wrote this run's id into out_dir/.lock
     (`_name_run_in_lock`); every rank reads it back, or all stop here, before any step."""
     seen = dist.get_rank() == 0 or _sees_run(out_dir, run_id)
+    # and rank 0's flock: a filesystem that keeps locks per machine (BeeGFS without global locks,
+    # NFS mounted local_lock=flock) lets the rank of another machine take it
+    lockable = dist.get_rank() != 0 and seen and _can_lock(out_dir)
     views = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (seen, socket.gethostname()))  # every rank stops, or none
-    for rank, (ok, host) in enumerate(views):
+    dist.all_gather_object(views, (seen, lockable, socket.gethostname()))  # all stop, or none
+    for rank, (ok, _, host) in enumerate(views):
         if not ok:
             raise CheckpointError(
                 f"{out_dir}: rank {rank} (on {host}) does not see rank 0's files there (its .lock "
                 "does not name this run); every rank must write to one folder all of them see "
                 "(a shared filesystem), or to an object store (s3://...)"
             )
+    lockers = [(rank, host) for rank, (_, lockable, host) in enumerate(views) if lockable]
+    if lockers and dist.get_rank() == 0:
+        rank, host = lockers[0]
+        print(
+            f"warning: {out_dir}: rank {rank} (on {host}) could take the run lock rank 0 holds: "
+            "this filesystem keeps locks per machine, so a second run into this --out_dir from "
+            "another machine would not be refused (README, Checkpoints)",
+            file=sys.stderr,
+        )
 
 
 # A network filesystem may show another node's write a little late: this many tries, 0.25 s apart
 SHARED_TRIES = 40
+
+
+def _can_lock(out_dir):
+    """Whether this process can flock out_dir/.lock, which rank 0 holds (released at once)."""
+    try:
+        with open_regular(os.path.join(out_dir, ".lock"), "rb") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (OSError, CheckpointError):  # EWOULDBLOCK: rank 0's lock holds here too
+        return False
+    return True
 
 
 def _sees_run(out_dir, run_id):

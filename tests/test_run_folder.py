@@ -9,6 +9,7 @@ import pickle
 import re
 import shutil
 import signal
+import socket
 import subprocess
 
 import pytest
@@ -310,8 +311,6 @@ def test_an_out_dir_a_rank_does_not_see_is_refused_before_any_step(tmp_path, add
     after its steps; with --on_save_error warn every save did, while the run trained on. Now the
     ranks read back the id rank 0 wrote into out_dir/.lock (`checkpoint._check_shared`): one line,
     before any step. Here each rank's working directory stands for its node."""
-    import socket
-
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(NODE_LOCAL_SITE)
@@ -325,6 +324,34 @@ def test_an_out_dir_a_rank_does_not_see_is_refused_before_any_step(tmp_path, add
     assert_ranks_error(p, f"run: rank 1 (on {host}) does not see rank 0's files there")
     assert not os.path.exists(nodes[0] / "run" / "metrics.jsonl")  # no step was taken
     assert not os.path.exists(nodes[1] / "run" / "checkpoints")
+
+
+# Rank 1 on a filesystem that keeps flock per machine: its flock always succeeds
+LOCKS_PER_MACHINE_SITE = """
+import fcntl
+import os
+if os.environ.get("RANK") == "1":
+    fcntl.flock = lambda fd, operation: None
+"""
+
+
+def test_a_lock_another_rank_can_take_is_warned_of(tmp_path, addition_jsonl):
+    """Where rank 1 can take the run lock rank 0 holds (locks kept per machine: a second run from
+    another machine would not be refused), rank 0 says so once; the run goes on. Elsewhere (every
+    other test) it cannot, and nothing is said."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(LOCKS_PER_MACHINE_SITE)
+    out = tmp_path / "run"
+    p = run("train_sft.py", *sft(out, addition_jsonl), env={"PYTHONPATH": str(site)})
+    warnings = [line for line in p.stderr.splitlines() if line.startswith("warning:")]
+    host = socket.gethostname()
+    assert warnings == [
+        f"warning: {out}: rank 1 (on {host}) could take the run lock rank 0 holds: this "
+        "filesystem keeps locks per machine, so a second run into this --out_dir from another "
+        "machine would not be refused (README, Checkpoints)"
+    ], p.stderr[-3000:]
+    assert logged_steps(out) == 4
 
 
 # A restart seen by rank 1 only, as on a node torchrun restarted while another node's did not
