@@ -492,13 +492,22 @@ class MetricsLog:
         self.store = store  # an object-store --out_dir, which keeps copies of the logs
 
     def fetch(self):
-        """Rank 0, with an object-store --out_dir, holding the run lock: a resumed run on a new
-        machine carries on the store's copies of metrics.jsonl and samples.jsonl (none here)."""
+        """Rank 0, with an object-store --out_dir, holding the run lock: a resumed run carries on
+        the store's copies of metrics.jsonl and samples.jsonl where they reach further than this
+        machine's (none here; or an older one: rank 0 ran here before, then elsewhere, and is
+        back). Keeping the older one, truncated at the checkpoint, then uploaded over the store's,
+        lost the steps logged elsewhere."""
         if dist.get_rank() != 0 or not objstore.is_url(self.store):
             return
         for local in (self.path, self.samples_path):
-            if not os.path.lexists(local):
-                objstore.get_file(os.path.join(self.store, os.path.basename(local)), local)
+            fetched = local + ".store"
+            checkpoint._remove_entry(fetched)  # a killed fetch's (a symlink itself, not its target)
+            if not objstore.get_file(os.path.join(self.store, os.path.basename(local)), fetched):
+                continue
+            if os.path.lexists(local) and last_step(local) >= last_step(fetched):
+                os.unlink(fetched)  # this machine's copy reaches as far
+            else:
+                os.replace(fetched, local)
 
     def truncate(self, step):
         """Call once checkpoint.resolve() holds the run lock. A resumed run redoes the steps its
@@ -533,24 +542,40 @@ class MetricsLog:
         self.writer.flush()
 
 
+def last_step(path):
+    """The largest "step" of a log's whole rows (-1: none)."""
+    last = -1
+    with checkpoint.open_regular(path, "rb") as f:
+        for raw in f:
+            row = whole_row(raw)
+            if row is not None:
+                last = max(last, row["step"])
+    return last
+
+
+def whole_row(raw):
+    """A log line (bytes) as its row, if it is a whole one a run wrote: UTF-8, a JSON object with
+    an integer "step", ending in a newline (a kill can cut the last line short); else None."""
+    try:
+        line = raw.decode("utf-8")
+        row = json.loads(line)
+    # garbled (a disk fault, a hand edit), or cut short: not a row
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if line.endswith("\n") and isinstance(row, dict) and type(row.get("step")) is int:
+        return row
+    return None
+
+
 def truncate_jsonl(path, step):
     """Keep the rows of path whose "step" is at most `step` (None: no row); written anew beside
     it, then renamed over it, so a kill in between leaves the old file."""
     kept = []
     with checkpoint.open_regular(path, "rb") as f:
         for raw in f:
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                continue  # garbled (a disk fault, a hand edit): not a row this run wrote
-            try:
-                row = json.loads(line)
-            # a kill can cut the last line short: only whole rows count
-            except (ValueError, RecursionError):
-                row = None
-            whole = line.endswith("\n") and isinstance(row, dict) and type(row.get("step")) is int
-            if step is not None and whole and row["step"] <= step:
-                kept.append(line)
+            row = whole_row(raw)
+            if step is not None and row is not None and row["step"] <= step:
+                kept.append(raw.decode("utf-8"))
     tmp = path + ".tmp"
     if os.path.lexists(tmp):
         os.unlink(tmp)  # a killed truncation's (a symlink itself, never its target)

@@ -514,7 +514,7 @@ def test_another_runs_checkpoint_into_a_folder_of_checkpoints_is_refused(tmp_pat
     assert checkpoint._candidates(str(root), own) == ([own], None)
     empty = tmp_path / "c" / "checkpoints"
     assert checkpoint._candidates(str(empty), str(other)) == ([str(other)], None)
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setitem(checkpoint._run, "restarted", True)  # as `resolve` agreed on it
     paths, error = checkpoint._candidates(str(root), str(other))  # a foreign run's, still
     assert paths == [] and "not one of" in error
     (root / "step-00000002" / "meta.json").write_text(json.dumps({"args": {"resume": str(other)}}))
@@ -775,4 +775,31 @@ def test_a_store_export_writes_config_json_last_and_drops_stale_weights(tmp_path
     assert puts[-1] == "config.json" and sorted(puts) == sorted(new)
     left = {rel: fs.cat_file(f"{path}/{rel}") for rel in objstore.listing(url)}
     assert left == {**new, "notes.txt": b"mine"}
+    fs.rm(path, recursive=True)
+
+
+def test_a_resume_keeps_the_store_logs_where_they_reach_further(tmp_path, monkeypatch):
+    """With an object-store --out_dir, rank 0 logs locally and copies the logs up at each save. A
+    rank 0 back on a machine it ran on before (a requeue) kept that machine's older copy: it was
+    truncated at the checkpoint and uploaded over the store's, and the steps logged elsewhere
+    were gone. `MetricsLog.fetch` now keeps whichever copy reaches further."""
+    import common
+    import objstore
+
+    monkeypatch.setattr(common.dist, "get_rank", lambda: 0)
+    store = "memory://plainrlhf-logs/run"
+    fs, path = objstore.fs_of(store)
+
+    def rows(steps):
+        return "".join(json.dumps({"step": s, "train/loss": 1.0}) + "\n" for s in steps)
+
+    fs.pipe_file(f"{path}/metrics.jsonl", rows(range(1, 7)).encode())  # logged elsewhere
+    for mine, kept in [(None, range(1, 7)), (range(1, 4), range(1, 7)), (range(1, 8), range(1, 8))]:
+        local = tmp_path / f"local-{mine}"
+        local.mkdir()
+        if mine is not None:
+            (local / "metrics.jsonl").write_text(rows(mine) + '{"step": 9, "cut')
+        common.MetricsLog(str(local), store=store).truncate(100)  # fetch, then the resume's cut
+        assert [r["step"] for r in map(json.loads, open(local / "metrics.jsonl"))] == list(kept)
+        assert sorted(os.listdir(local)) == ["metrics.jsonl"]
     fs.rm(path, recursive=True)
