@@ -27,6 +27,13 @@ setup() {
   local want
   if command -v nvidia-smi >/dev/null 2>&1; then want="gpu $(sha256sum requirements.txt) $VLLM_GPU"; else want="cpu $(sha256sum requirements-cpu.txt)"; fi
   if [ -x "$PY" ] && [ "$(cat .venv/.installed 2>/dev/null)" = "$want" ]; then return; fi
+  # Several nodes would install into one shared .venv at once (and compute nodes are often
+  # offline): it is made once, beforehand, on a node of the kind that trains
+  if [ "${NNODES:-1}" != 1 ]; then
+    local why=".venv is missing or not current for this machine ($want)"
+    echo "error: $why; run ./launch.sh setup once on one ${want%% *} node, then on every node" >&2
+    exit 2
+  fi
   # The pinned wheels are Python 3.11's. A venv of another Python, or without a working pip (cut
   # short, or made without ensurepip), is made anew, from a python3 that is 3.11.
   local py311='import sys; sys.exit(sys.version_info[:2] != (3, 11))'

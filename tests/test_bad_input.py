@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -759,3 +760,20 @@ def test_several_nodes_without_master_addr_is_one_line(tmp_path):
     assert p.returncode == 2
     assert_one_line_error(p, "error: NNODES=2 needs MASTER_ADDR: node 0's address")
     assert not (tmp_path / "out").exists()
+
+
+def test_several_nodes_never_install_the_venv_at_once(tmp_path):
+    """On several nodes, a .venv that is missing or not current for the machine (setup run on a
+    login node without GPUs) was installed by every node at once into one shared folder. Now
+    each node stops with one line: run setup once, on one node. (A copy of the launcher, in a
+    folder without .venv.)"""
+    for name in ("launch.sh", "requirements.txt", "requirements-cpu.txt"):
+        shutil.copy(os.path.join(REPO, name), tmp_path / name)
+    env = {**os.environ, **CPU_ONLY, "NNODES": "2", "MASTER_ADDR": "127.0.0.1"}
+    cmd = ["bash", str(tmp_path / "launch.sh"), "sft"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert p.returncode == 2
+    assert_one_line_error(
+        p, "error: .venv is missing or not current for this machine", "once on one"
+    )
+    assert not (tmp_path / ".venv").exists()
