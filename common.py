@@ -321,8 +321,8 @@ def check_restarts_can_meet():
         raise SystemExit(
             f"error: torchrun on {nodes} nodes with --max-restarts {restarts} shares one store "
             "between its restarts, and each node counts its restarts apart: a restarted group "
-            "could not form. Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node (launch.sh "
-            "does)"
+            "could not form. Use --rdzv-backend c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+            "on every node (launch.sh does both)"
         )
 
 
@@ -491,21 +491,29 @@ class MetricsLog:
         self.writer = None  # the SummaryWriter, made by the first log()
         self.store = store  # an object-store --out_dir, which keeps copies of the logs
 
-    def fetch(self):
-        """Rank 0, with an object-store --out_dir, holding the run lock: a resumed run carries on
-        the store's copies of metrics.jsonl and samples.jsonl where they reach further than this
-        machine's (none here; or an older one: rank 0 ran here before, then elsewhere, and is
-        back). Keeping the older one, truncated at the checkpoint, then uploaded over the store's,
-        lost the steps logged elsewhere."""
-        if dist.get_rank() != 0 or not objstore.is_url(self.store):
+    def fetch(self, step):
+        """Rank 0, with an object-store --out_dir, holding the run lock, resuming from `step`: the
+        store's copies of metrics.jsonl and samples.jsonl replace this machine's unless they
+        miss rows up to `step` that this one has. The save of `step` uploaded its run's logs
+        (`upload_logs`), so the store's copy is that run's, where a local one may be another's:
+        none on a new machine, or an older or abandoned one's where rank 0 ran before, then
+        elsewhere, and is back (kept, it was truncated and uploaded over the store's, and the
+        steps logged elsewhere were lost). A store that fails to answer: the local copy, warned."""
+        if dist.get_rank() != 0 or not objstore.is_url(self.store) or step is None:
             return
         for local in (self.path, self.samples_path):
             fetched = local + ".store"
             checkpoint._remove_entry(fetched)  # a killed fetch's (a symlink itself, not its target)
-            if not objstore.get_file(os.path.join(self.store, os.path.basename(local)), fetched):
+            url = os.path.join(self.store, os.path.basename(local))
+            try:
+                found = objstore.get_file(url, fetched)
+            except (OSError, objstore.StoreError) as e:  # logs are best effort, as upload_logs
+                print(f"warning: {url}: not fetched ({e}); the local copy is kept", file=sys.stderr)
                 continue
-            if os.path.lexists(local) and last_step(local) >= last_step(fetched):
-                os.unlink(fetched)  # this machine's copy reaches as far
+            if not found:
+                continue
+            if os.path.lexists(local) and last_step(fetched) < min(step, last_step(local)):
+                os.unlink(fetched)  # the store's lacks rows up to the checkpoint this one has
             else:
                 os.replace(fetched, local)
 
@@ -515,7 +523,7 @@ class MetricsLog:
         their rows, from metrics.jsonl and samples.jsonl alike."""
         if dist.get_rank() != 0:
             return
-        self.fetch()
+        self.fetch(step)
         for path in (self.path, self.samples_path):
             if os.path.lexists(path):
                 truncate_jsonl(path, step)

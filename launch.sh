@@ -166,7 +166,7 @@ stop_if_signalled() {
 
 cmd=${1:-}; shift || true
 case "$cmd" in
-  setup) setup ;;
+  setup) NNODES=1 setup ;;  # asked for: installs on this node, whatever NNODES says
   test)  # the house style first (ruff.toml; tests/test_style.py has the rest), then the suite
     setup
     .venv/bin/ruff check .

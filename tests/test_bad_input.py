@@ -701,7 +701,7 @@ def test_restarts_on_several_nodes_through_one_shared_store_are_refused(tmp_path
     assert_one_line_error(
         p,
         "torchrun on 2 nodes with --max-restarts 3 shares one store",
-        "Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node",
+        "Use --rdzv-backend c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node",
     )
 
 

@@ -778,11 +778,15 @@ def test_a_store_export_writes_config_json_last_and_drops_stale_weights(tmp_path
     fs.rm(path, recursive=True)
 
 
-def test_a_resume_keeps_the_store_logs_where_they_reach_further(tmp_path, monkeypatch):
+def test_a_resume_on_a_store_takes_the_store_logs_unless_they_lack_rows(
+    tmp_path, monkeypatch, capsys
+):
     """With an object-store --out_dir, rank 0 logs locally and copies the logs up at each save. A
-    rank 0 back on a machine it ran on before (a requeue) kept that machine's older copy: it was
-    truncated at the checkpoint and uploaded over the store's, and the steps logged elsewhere
-    were gone. `MetricsLog.fetch` now keeps whichever copy reaches further."""
+    rank 0 back on a machine it ran on before (a requeue) kept that machine's copy, older or an
+    abandoned branch's: truncated at the checkpoint and uploaded over the store's, it lost the
+    steps logged elsewhere. `MetricsLog.fetch` takes the store's copy (the checkpoint's save put
+    its run's rows there) unless it lacks rows up to the checkpoint that the local one has (an
+    upload that failed); a store that fails to answer leaves the local copy, with a warning."""
     import common
     import objstore
 
@@ -793,13 +797,31 @@ def test_a_resume_keeps_the_store_logs_where_they_reach_further(tmp_path, monkey
     def rows(steps):
         return "".join(json.dumps({"step": s, "train/loss": 1.0}) + "\n" for s in steps)
 
-    fs.pipe_file(f"{path}/metrics.jsonl", rows(range(1, 7)).encode())  # logged elsewhere
-    for mine, kept in [(None, range(1, 7)), (range(1, 4), range(1, 7)), (range(1, 8), range(1, 8))]:
-        local = tmp_path / f"local-{mine}"
+    fs.pipe_file(f"{path}/metrics.jsonl", rows(range(1, 7)).encode())  # up to the save of step 6
+    cases = [
+        (None, 6, range(1, 7)),  # a new machine
+        (range(1, 4), 6, range(1, 7)),  # this machine's older copy
+        (range(1, 10), 6, range(1, 7)),  # an abandoned branch's, further but not this run's
+        (range(1, 9), 8, range(1, 9)),  # the store's lacks 7 and 8 (their upload failed)
+    ]
+    for i, (mine, step, kept) in enumerate(cases):
+        local = tmp_path / f"local-{i}"
         local.mkdir()
         if mine is not None:
-            (local / "metrics.jsonl").write_text(rows(mine) + '{"step": 9, "cut')
-        common.MetricsLog(str(local), store=store).truncate(100)  # fetch, then the resume's cut
+            (local / "metrics.jsonl").write_text(rows(mine) + '{"step": 11, "cut')
+        common.MetricsLog(str(local), store=store).truncate(step)  # fetch, then the resume's cut
         assert [r["step"] for r in map(json.loads, open(local / "metrics.jsonl"))] == list(kept)
         assert sorted(os.listdir(local)) == ["metrics.jsonl"]
+
+    def unreachable(url, local):
+        raise objstore.StoreError(f"{url}: EndpointConnectionError: could not connect")
+
+    monkeypatch.setattr(objstore, "get_file", unreachable)
+    local = tmp_path / "local-unreachable"
+    local.mkdir()
+    (local / "metrics.jsonl").write_text(rows(range(1, 4)))
+    capsys.readouterr()
+    common.MetricsLog(str(local), store=store).truncate(3)
+    assert [r["step"] for r in map(json.loads, open(local / "metrics.jsonl"))] == [1, 2, 3]
+    assert capsys.readouterr().err.startswith(f"warning: {store}/metrics.jsonl: not fetched (")
     fs.rm(path, recursive=True)
