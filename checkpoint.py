@@ -1849,8 +1849,7 @@ def _is_export_file(root, name, tokenizer_files):
         return all(n.endswith(".jinja") for n in os.listdir(path))
     if not stat.S_ISREG(mode):
         return False
-    shard = name.startswith("model-") and name.endswith(".safetensors") and "-of-" in name
-    return name in EXPORT_FILES or name in tokenizer_files or shard
+    return _is_export_name(name) or name in tokenizer_files
 
 
 # The kinds of file a tokenizer's save_pretrained writes beside EXPORT_FILES (tekken.json,
