@@ -1,5 +1,5 @@
-"""A process that imports torch and transformers once and forks a child for each `python SCRIPT
-ARGS` the tests ask of `conftest.run_py`.
+"""A process that imports torch and transformers (and vLLM's dependencies) once and forks a
+child for each `python SCRIPT ARGS` the tests ask of `conftest.run_py`.
 
 Why: about a hundred of the suite's cases run a script that fails or finishes within a second
 (a bad flag, a crafted file, `checkpoint.py verify`), and each paid ~5 s of imports on this
@@ -19,6 +19,8 @@ Protocol (one JSON object a line): a request {"argv", "cwd", "env", "stdout", "s
 """
 
 import atexit
+import importlib
+import importlib.util
 import io
 import json
 import os
@@ -40,6 +42,37 @@ import transformers  # noqa: F401
 from transformers import AutoModelForCausalLM  # noqa: F401
 from transformers import AutoModelForSequenceClassification  # noqa: F401
 from transformers import AutoTokenizer  # noqa: F401
+
+# The packages vLLM 0.32 imports when a rank builds its engine, but not vLLM itself: ~2.5 s of
+# its ~4.5 s import on this machine (`python -X importtime`), in every PPO run on the vLLM engine.
+# None of them starts a thread, and none reads at import a setting the project or its tests give
+# a child (TorchInductor's config, which reads its own, is imported with transformers above, as
+# in a fresh process). A speed-up only: one that is missing (no vLLM, as on the lent GPU
+# machines, or another version's dependencies) is left to the child.
+VLLM_DEPENDENCIES = (
+    "aiohttp",
+    "fastapi",
+    "openai.types.responses",
+    "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+    "torch._inductor.compile_fx",
+    "torch._inductor.lowering",
+    "torch.utils.cpp_extension",
+    "transformers.models.auto.image_processing_auto",
+    "xgrammar",
+)
+
+
+def import_vllm_dependencies():
+    if importlib.util.find_spec("vllm") is None:
+        return
+    for name in VLLM_DEPENDENCIES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # not this vLLM's: the child imports what it needs
+
+
+import_vllm_dependencies()
 
 
 def exit_status(e):
