@@ -11,8 +11,9 @@
 #                                       train_dpo.py: one process per GPU, or 2 on CPU
 #   ./launch.sh plot RUN [PNG]   score, KL and accuracy curves of a run (matplotlib)
 #
-# Several nodes: set NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT on every node (torchrun's c10d
-# rendezvous). MAX_RESTARTS (default 0) restarts the whole group when a rank dies; a restarted run
+# Several nodes: set NNODES, MASTER_ADDR, MASTER_PORT on every node (torchrun's c10d rendezvous,
+# hosted by the node whose address MASTER_ADDR is; it numbers the nodes itself, so no NODE_RANK).
+# MAX_RESTARTS (default 0) restarts the whole group when a rank dies; a restarted run
 # resumes from its latest checkpoint by itself. NPROC_PER_NODE overrides the process count.
 set -euo pipefail
 # A SIGTERM/SIGUSR1 before the first stage has started (during setup, or while torch is asked for
@@ -100,7 +101,8 @@ run_torchrun() {
   if [ "${NNODES:-1}" != 1 ]; then
     port=${MASTER_PORT:-29500}
     if [ -z "${MASTER_ADDR:-}" ]; then  # each node would wait for the others on its own loopback
-      echo "error: NNODES=$NNODES needs MASTER_ADDR: node 0's address, the same on every node" >&2
+      echo "error: NNODES=$NNODES needs MASTER_ADDR: one node's address (it hosts the" \
+        "rendezvous), the same on every node" >&2
       return 2
     fi
     # Each node counts its own restarts, so with torchrun's store shared by every round the
@@ -112,7 +114,7 @@ run_torchrun() {
   export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
   # Signalled between stages (demo, pipeline), or while the line above asked torch: not started.
   if [ -n "${STOPPED:-}" ]; then return 0; fi
-  "$PY" -c "$QUIET_TORCHRUN" --nnodes="${NNODES:-1}" --node_rank="${NODE_RANK:-0}" \
+  "$PY" -c "$QUIET_TORCHRUN" --nnodes="${NNODES:-1}" \
     --rdzv_backend=c10d --rdzv_endpoint="${MASTER_ADDR:-127.0.0.1}:$port" \
     --nproc_per_node="$nproc" --max-restarts="${MAX_RESTARTS:-0}" \
     --signals_to_handle=SIGINT,SIGHUP,SIGQUIT "$script" "$@" &

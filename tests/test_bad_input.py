@@ -758,7 +758,9 @@ def test_several_nodes_without_master_addr_is_one_line(tmp_path):
     env.pop("MASTER_ADDR", None)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
     assert p.returncode == 2
-    assert_one_line_error(p, "error: NNODES=2 needs MASTER_ADDR: node 0's address")
+    assert_one_line_error(
+        p, "error: NNODES=2 needs MASTER_ADDR: one node's address (it hosts the rendezvous)"
+    )
     assert not (tmp_path / "out").exists()
 
 
