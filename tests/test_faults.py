@@ -22,6 +22,7 @@ from conftest import logged_steps
 from conftest import metrics
 from conftest import run
 from conftest import run_py
+from conftest import torchrun_cmd
 from conftest import wait_for
 from conftest import workers
 
@@ -37,9 +38,7 @@ def sft(out, data, *extra):
 
 
 def popen(out, data, *extra, log=None):
-    script = os.path.join(REPO, "train_sft.py")
-    args = sft(out, data, *extra)
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", script, *map(str, args)]
+    cmd = torchrun_cmd("train_sft.py", *sft(out, data, *extra))
     stdout = log or subprocess.DEVNULL
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # a killed run's lines are in the log
     return subprocess.Popen(

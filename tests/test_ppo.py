@@ -17,7 +17,6 @@ from test_bad_input import assert_one_line_error
 import task
 from conftest import PY
 from conftest import REPO
-from conftest import TORCHRUN
 from conftest import assert_same_tensors
 from conftest import kill_tree
 from conftest import latest
@@ -26,6 +25,7 @@ from conftest import metrics
 from conftest import read_tensors
 from conftest import run
 from conftest import run_py
+from conftest import torchrun_cmd
 from conftest import wait_for
 from conftest import workers
 
@@ -226,8 +226,7 @@ def test_sigterm_mid_ppo_saves_and_resume_is_exact(tmp_path, straight, sft_model
     step's end and exit 0."""
     out = str(tmp_path)
     args = ppo(out, sft_model, "--async_save", "true", "--save_every", 1)
-    script = os.path.join(REPO, "train_ppo.py")
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", script, *map(str, args)]
+    cmd = torchrun_cmd("train_ppo.py", *args)
     proc = subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -250,8 +249,7 @@ def test_sigkills_mid_ppo_then_resume_is_exact(tmp_path, straight, sft_model):
     out = str(tmp_path)
     root = os.path.join(out, "checkpoints")
     args = ppo(out, sft_model, "--async_save", "true", "--save_every", 1, "--resume", "latest")
-    script = os.path.join(REPO, "train_ppo.py")
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", script, *map(str, args)]
+    cmd = torchrun_cmd("train_ppo.py", *args)
     rng = random.Random(3)
 
     moments = []

@@ -14,7 +14,6 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import REPO
-from conftest import TORCHRUN
 from conftest import assert_same_tensors
 from conftest import kill_tree
 from conftest import latest
@@ -22,6 +21,7 @@ from conftest import logged_steps
 from conftest import metrics
 from conftest import run
 from conftest import run_py
+from conftest import torchrun_cmd
 
 s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (requirements-cpu.txt pins it)")
 moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed")
@@ -209,8 +209,7 @@ def test_corrupted_object_is_detected_with_fallback(store, sft_on_store, capsys)
 
 
 def popen(url, data, *extra, env=None):
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", os.path.join(REPO, "train_sft.py")]
-    cmd += [*map(str, sft(url, data, *extra))]
+    cmd = torchrun_cmd("train_sft.py", *sft(url, data, *extra))
     full_env = {**os.environ, **(env or {})}
     return subprocess.Popen(
         cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
