@@ -166,20 +166,18 @@ def workers(pid):
 
 
 def forked_ranks(pid):
-    """The ranks of tests/forked_torchrun.py (`torchrun_cmd`), by rank: the processes it forked
-    with its own command line. Their environment as /proc shows it is the launcher's (torchrun
-    sets RANK after the fork), so the rank is the order torch forks them in, one node's ranks
-    in a loop (`torch.multiprocessing.start_processes`)."""
-    launcher = psutil.Process(pid)
-    ranks = []
-    for p in launcher.children():
+    """The ranks of tests/forked_torchrun.py (`torchrun_cmd`), by rank: the processes it forked,
+    each named `rank<RANK>` there (/proc shows them the launcher's environment: torchrun sets
+    RANK after the fork)."""
+    found = {}
+    for p in psutil.Process(pid).children():
         try:
-            if p.cmdline() == launcher.cmdline():
-                ranks.append(p)
+            name = p.name()
         except psutil.NoSuchProcess:
-            pass
-    ranks.sort(key=lambda p: (p.create_time(), p.pid))
-    return dict(enumerate(ranks))
+            continue
+        if name.startswith("rank") and name[4:].isdigit():
+            found[int(name[4:])] = p
+    return found
 
 
 def wait_for(cond, proc, timeout=300):

@@ -16,8 +16,9 @@ through sys.excepthook (torch.distributed's, once the process group exists: the 
 prefix), non-daemon threads joined and atexit handlers run (an object-store lock is released
 at exit), the thread count of OMP_NUM_THREADS.
 
-Usage (from conftest.run): forked_torchrun.py TORCHRUN_ARGS SCRIPT ARGS, with SCRIPT's path
-absolute.
+Usage (from conftest.run, through tests/zygote.py; or from conftest.torchrun_cmd, in a fresh
+Python that imports tests/zygote.py's modules below): forked_torchrun.py TORCHRUN_ARGS SCRIPT
+ARGS, with SCRIPT's path absolute.
 """
 
 import io
@@ -29,7 +30,7 @@ import torch
 import torch.distributed.run
 from torch.distributed.elastic.multiprocessing.errors import record
 
-# this file runs from tests/zygote.py, with tests/ on sys.path
+# this file runs from tests/zygote.py or as a script in tests/: tests/ is on sys.path
 from zygote import exit_status
 from zygote import finish
 
@@ -53,6 +54,10 @@ def run_script(training_script, *training_script_args):
     reports it and the process exits 0); any other end exits here with the interpreter's status."""
     sys.argv = [training_script, *training_script_args]
     sys.path[0] = os.path.dirname(training_script)
+    # /proc shows a forked rank the launcher's command line and environment (RANK is set after
+    # the fork), so a test finds the ranks by this name (`conftest.workers`; `ps` shows it too)
+    with open("/proc/self/comm", "w") as comm:
+        comm.write(f"rank{os.environ['RANK']}")
     # libgomp read OMP_NUM_THREADS when torch was imported, before torchrun set it for the rank
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

@@ -13,6 +13,7 @@ import time
 import psutil
 import pytest
 
+from conftest import CPU_ONLY
 from conftest import REPO
 from conftest import TORCHRUN
 from conftest import assert_same_tensors
@@ -40,7 +41,8 @@ def sft(out, data, *extra):
 def popen(out, data, *extra, log=None):
     cmd = torchrun_cmd("train_sft.py", *sft(out, data, *extra))
     stdout = log or subprocess.DEVNULL
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # a killed run's lines are in the log
+    # on the CPU, as `run` has it; unbuffered: a killed run's lines are in the log
+    env = {**os.environ, **CPU_ONLY, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
         cmd, cwd=REPO, stdout=stdout, stderr=subprocess.STDOUT, text=True, env=env
     )

@@ -13,6 +13,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
+from conftest import CPU_ONLY
 from conftest import REPO
 from conftest import assert_same_tensors
 from conftest import kill_tree
@@ -210,7 +211,7 @@ def test_corrupted_object_is_detected_with_fallback(store, sft_on_store, capsys)
 
 def popen(url, data, *extra, env=None):
     cmd = torchrun_cmd("train_sft.py", *sft(url, data, *extra))
-    full_env = {**os.environ, **(env or {})}
+    full_env = {**os.environ, **CPU_ONLY, **(env or {})}  # on the CPU, as `run` has it
     return subprocess.Popen(
         cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

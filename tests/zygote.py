@@ -45,10 +45,13 @@ from transformers import AutoTokenizer  # noqa: F401
 
 # The packages vLLM 0.32 imports when a rank builds its engine, but not vLLM itself: ~2.5 s of
 # its ~4.5 s import on this machine (`python -X importtime`), in every PPO run on the vLLM engine.
-# None of them starts a thread, and none reads at import a setting the project or its tests give
-# a child (TorchInductor's config, which reads its own, is imported with transformers above, as
-# in a fresh process). A speed-up only: one that is missing (no vLLM, as on the lent GPU
-# machines, or another version's dependencies) is left to the child.
+# None of them leaves a thread running (OpenTelemetry's import runs its resource detectors on a
+# thread pool it shuts down), none changes torch's global settings, logging or signal handlers,
+# and none reads at import a setting the project or its tests give a child (TorchInductor's
+# config, which reads its own, is imported with transformers above, as in a fresh process); the
+# atexit handlers some register do nothing in a run that compiles nothing. A speed-up only: one
+# that is missing or fails (no vLLM, as on the lent GPU machines, or another version's
+# dependencies) is left to the child.
 VLLM_DEPENDENCIES = (
     "aiohttp",
     "fastapi",
@@ -68,8 +71,8 @@ def import_vllm_dependencies():
     for name in VLLM_DEPENDENCIES:
         try:
             importlib.import_module(name)
-        except ImportError:
-            pass  # not this vLLM's: the child imports what it needs
+        except Exception:  # noqa: BLE001 - not this vLLM's, or broken: the child imports it
+            pass
 
 
 import_vllm_dependencies()
