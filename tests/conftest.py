@@ -60,7 +60,7 @@ def torchrun_cmd(script, *args, nproc=2):
     tests/forked_torchrun.py in a fresh Python, which imports torch, transformers and vLLM's
     dependencies once and forks its ranks from itself, instead of torchrun and a fresh
     interpreter per rank importing them each (the PPO SIGKILL test, three launches: 123 s, then
-    62-77 s, on this machine); PLAINRLHF_TESTS_NO_ZYGOTE=1 gives `torchrun` itself."""
+    62-109 s, on this machine); PLAINRLHF_TESTS_NO_ZYGOTE=1 gives `torchrun` itself."""
     path = os.path.join(REPO, script)
     flags = ["--standalone", f"--nproc_per_node={nproc}", path, *map(str, args)]
     if os.environ.get(NO_ZYGOTE) == "1":
