@@ -54,18 +54,23 @@ def run(script, *args, nproc=2, check=True, timeout=600, env=None, gpu=False):
     return p
 
 
-def torchrun_cmd(script, *args, nproc=2):
-    """`torchrun --standalone --nproc_per_node=nproc script args` as a command line, for a test
-    that starts the run itself (to signal or kill it mid-way: a child of its own). It starts
+def popen_torchrun(script, *args, env=None, nproc=2, **popen_kwargs):
+    """`torchrun --standalone --nproc_per_node=nproc script args` as a subprocess.Popen, for a
+    test that starts the run itself (to signal or kill it mid-way: a child of its own), on the
+    CPU as `run` has it, `env` added to the tests' environment. It starts
     tests/forked_torchrun.py in a fresh Python, which imports torch, transformers and vLLM's
     dependencies once and forks its ranks from itself, instead of torchrun and a fresh
     interpreter per rank importing them each (the PPO SIGKILL test, three launches: 123 s, then
-    62-109 s, on this machine); PLAINRLHF_TESTS_NO_ZYGOTE=1 gives `torchrun` itself."""
+    62-109 s, on this machine); PLAINRLHF_TESTS_NO_ZYGOTE=1 gives `torchrun` itself. The CPU is
+    not only for the checks: xgrammar's import asks CUDA, which a rank forked after it could not
+    use."""
     path = os.path.join(REPO, script)
     flags = ["--standalone", f"--nproc_per_node={nproc}", path, *map(str, args)]
+    cmd = [PY, FORKED_TORCHRUN, *flags]
     if os.environ.get(NO_ZYGOTE) == "1":
-        return [TORCHRUN, *flags]
-    return [PY, FORKED_TORCHRUN, *flags]
+        cmd = [TORCHRUN, *flags]
+    full_env = {**os.environ, **CPU_ONLY, **(env or {})}
+    return subprocess.Popen(cmd, cwd=REPO, env=full_env, **popen_kwargs)
 
 
 def run_py(*args, check=False, timeout=300, env=None):
@@ -148,7 +153,7 @@ def logged_steps(out):
 
 
 def workers(pid):
-    """The training processes under a torchrun (or launch.sh, or `torchrun_cmd`) pid, by rank."""
+    """The training processes under a torchrun (or launch.sh, or `popen_torchrun`) pid, by rank."""
     if FORKED_TORCHRUN in psutil.Process(pid).cmdline():
         return forked_ranks(pid)
     found = {}
@@ -166,7 +171,7 @@ def workers(pid):
 
 
 def forked_ranks(pid):
-    """The ranks of tests/forked_torchrun.py (`torchrun_cmd`), by rank: the processes it forked,
+    """The ranks of tests/forked_torchrun.py (`popen_torchrun`), by rank: the processes it forked,
     each named `rank<RANK>` there (/proc shows them the launcher's environment: torchrun sets
     RANK after the fork)."""
     found = {}

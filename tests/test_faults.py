@@ -13,7 +13,6 @@ import time
 import psutil
 import pytest
 
-from conftest import CPU_ONLY
 from conftest import REPO
 from conftest import TORCHRUN
 from conftest import assert_same_tensors
@@ -21,9 +20,9 @@ from conftest import kill_tree
 from conftest import latest
 from conftest import logged_steps
 from conftest import metrics
+from conftest import popen_torchrun
 from conftest import run
 from conftest import run_py
-from conftest import torchrun_cmd
 from conftest import wait_for
 from conftest import workers
 
@@ -39,12 +38,11 @@ def sft(out, data, *extra):
 
 
 def popen(out, data, *extra, log=None):
-    cmd = torchrun_cmd("train_sft.py", *sft(out, data, *extra))
     stdout = log or subprocess.DEVNULL
-    # on the CPU, as `run` has it; unbuffered: a killed run's lines are in the log
-    env = {**os.environ, **CPU_ONLY, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        cmd, cwd=REPO, stdout=stdout, stderr=subprocess.STDOUT, text=True, env=env
+    env = {"PYTHONUNBUFFERED": "1"}  # a killed run's lines are in the log
+    args = sft(out, data, *extra)
+    return popen_torchrun(
+        "train_sft.py", *args, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True
     )
 
 

@@ -15,7 +15,6 @@ from safetensors.torch import save_file
 from test_bad_input import assert_one_line_error
 
 import task
-from conftest import CPU_ONLY
 from conftest import PY
 from conftest import REPO
 from conftest import assert_same_tensors
@@ -23,10 +22,10 @@ from conftest import kill_tree
 from conftest import latest
 from conftest import logged_steps
 from conftest import metrics
+from conftest import popen_torchrun
 from conftest import read_tensors
 from conftest import run
 from conftest import run_py
-from conftest import torchrun_cmd
 from conftest import wait_for
 from conftest import workers
 
@@ -227,10 +226,8 @@ def test_sigterm_mid_ppo_saves_and_resume_is_exact(tmp_path, straight, sft_model
     step's end and exit 0."""
     out = str(tmp_path)
     args = ppo(out, sft_model, "--async_save", "true", "--save_every", 1)
-    cmd = torchrun_cmd("train_ppo.py", *args)
-    env = {**os.environ, **CPU_ONLY}  # as `run` has it: the straight run's was on the CPU
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    proc = popen_torchrun(
+        "train_ppo.py", *args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     # until two rows are logged: step 0's eval and step 1
     wait_for(lambda: logged_steps(out) >= 2 and len(workers(proc.pid)) == 2, proc)
@@ -251,8 +248,6 @@ def test_sigkills_mid_ppo_then_resume_is_exact(tmp_path, straight, sft_model):
     out = str(tmp_path)
     root = os.path.join(out, "checkpoints")
     args = ppo(out, sft_model, "--async_save", "true", "--save_every", 1, "--resume", "latest")
-    cmd = torchrun_cmd("train_ppo.py", *args)
-    env = {**os.environ, **CPU_ONLY}  # as `run` has it: the straight run's was on the CPU
     rng = random.Random(3)
 
     moments = []
@@ -263,8 +258,8 @@ def test_sigkills_mid_ppo_then_resume_is_exact(tmp_path, straight, sft_model):
             names = set(os.listdir(root))
             return "latest" in names and any(n.startswith(".tmp-") for n in names - stale)
 
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env
+        proc = popen_torchrun(
+            "train_ppo.py", *args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
         )
         if attempt == 0:  # two rows: step 0's evaluation and step 1; then anywhere
             wait_for(lambda: logged_steps(out) >= 2, proc)

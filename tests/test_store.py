@@ -13,16 +13,14 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from conftest import CPU_ONLY
-from conftest import REPO
 from conftest import assert_same_tensors
 from conftest import kill_tree
 from conftest import latest
 from conftest import logged_steps
 from conftest import metrics
+from conftest import popen_torchrun
 from conftest import run
 from conftest import run_py
-from conftest import torchrun_cmd
 
 s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (requirements-cpu.txt pins it)")
 moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed")
@@ -210,10 +208,9 @@ def test_corrupted_object_is_detected_with_fallback(store, sft_on_store, capsys)
 
 
 def popen(url, data, *extra, env=None):
-    cmd = torchrun_cmd("train_sft.py", *sft(url, data, *extra))
-    full_env = {**os.environ, **CPU_ONLY, **(env or {})}  # on the CPU, as `run` has it
-    return subprocess.Popen(
-        cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    args = sft(url, data, *extra)
+    return popen_torchrun(
+        "train_sft.py", *args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
 
 
