@@ -36,7 +36,7 @@ def main():
     cmd += ["--eval_every", "0", "--eval_samples", "0", "--save_every", "1000000", *extra]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     logged = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    rows = logged[2:]  # skip eval row 0 and step 1
+    rows = logged[2:]  # no evaluation row (--eval_samples 0): skip iterations 1 and 2, warm-up
     phases = ["rollout", "score", "logprobs", "advantages", "train", "sync"]
     med = {k: statistics.median(r[f"time/{k}_s"] for r in rows) for k in phases}
     total = sum(med.values())

@@ -16,7 +16,7 @@ through sys.excepthook (torch.distributed's, once the process group exists: the 
 prefix), non-daemon threads joined and atexit handlers run (an object-store lock is released
 at exit), the thread count of OMP_NUM_THREADS.
 
-Usage (from conftest.run, through tests/zygote.py; or from conftest.torchrun_cmd, in a fresh
+Usage (from conftest.run, through tests/zygote.py; or from conftest.popen_torchrun, in a fresh
 Python that imports tests/zygote.py's modules below): forked_torchrun.py TORCHRUN_ARGS SCRIPT
 ARGS, with SCRIPT's path absolute.
 """
