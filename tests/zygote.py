@@ -79,10 +79,11 @@ def import_vllm_dependencies():
 import_vllm_dependencies()
 
 # What the imports above made lives as long as the process: out of the collector's reach
-# (`gc.freeze`, as forking servers do), a child's full collections walk its own objects only. One
-# walked ~620,000 objects in ~0.4-0.5 s here, ~0.06 s after the freeze; vLLM makes several as an
-# engine starts (`load_model`, `freeze_gc_heap`) and a stage one as it ends
-# (`common.release_collectives`): 1-2 s of CPU less per 2-rank run (4+4 runs, alternated).
+# (`gc.freeze`, as forking servers do), a child's full collections walk its own objects only and
+# leave the pages it shares with this process uncopied. One walked ~618,000 objects in 0.3-0.5 s
+# here, ~95,000 in 0.06-0.08 s after the freeze; vLLM makes several as an engine starts
+# (`load_model`, `freeze_gc_heap`) and a stage one as it ends (`common.release_collectives`): 1-2 s
+# of CPU less per 2-rank run (4+4 runs, alternated).
 gc.freeze()
 
 
