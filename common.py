@@ -32,11 +32,13 @@ import operator
 import os
 import random
 import signal
+import socket
 import sys
 import time
 import traceback
 import typing
 import warnings
+import zlib
 
 import numpy as np
 import tokenizers
@@ -368,6 +370,36 @@ def global_maxima(local, device):
     return dict(zip(names, stacked.tolist()))
 
 
+def same_on_every_rank(what, digest):
+    """Collective: every rank must have read the same `what` (a data file, a model folder); one
+    line, on every rank, if one read other contents than rank 0. `digest`: a string that stands
+    for what this rank read. Without a group, or with one rank, nothing to compare.
+
+    Each rank reads its inputs itself, by path. On several nodes a path off the shared filesystem
+    names a copy on each node's own disk (a dataset staged to local NVMe, a model in a node's
+    cache), and copies drift: one stale, half copied, another revision. Nothing else would notice:
+    each rank would train on its share of other rows, and FSDP2 would build one model from the
+    shards of different weights, each rank keeping its slice of its own copy."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (digest, socket.gethostname()))  # all stop, or none
+    first, first_host = views[0]
+    for rank, (theirs, host) in enumerate(views):
+        if theirs == first:
+            continue
+        why = "it changed while the ranks read it"
+        if host != first_host:
+            why = (
+                "each node reads its own copy of this path, and the copies differ; give every "
+                "node the same one (or put it on a filesystem all of them share)"
+            )
+        raise SystemExit(
+            f"error: {what}: rank {rank} (on {host}) read other contents than rank 0 (on "
+            f"{first_host}): {why}"
+        )
+
+
 class Stopwatch:
     """Wall time of a loop's consecutive phases, each under the name it is logged as:
     `lap("time/rollout_s")` as a phase ends. On a GPU a lap ends where the host is; kernels still
@@ -612,10 +644,13 @@ def load_jsonl(path, fields):
         raise SystemExit(f"error: {path}: not a file (a folder or a device); expected JSONL")
     if not os.path.isfile(path):
         raise SystemExit(f"error: {path}: no such file")
+    digest = hashlib.sha256()
     try:
-        return _read_jsonl(path, fields)
+        rows = _read_jsonl(path, fields, digest)
     except OSError as e:  # a disk or network read error carries no file name of its own
         raise SystemExit(f"error: {path}: {e.strerror or e}") from None
+    same_on_every_rank(path, digest.hexdigest())
+    return rows
 
 
 # A JSONL row is one example: a longer line (its line ending not counted) is no row (a whole
@@ -633,16 +668,17 @@ def _lines(f):
         yield raw
 
 
-def _read_jsonl(path, fields):
-    """load_jsonl's reading and checking."""
+def _read_jsonl(path, fields, digest):
+    """load_jsonl's reading and checking; `digest` (a hashlib object) takes every line read."""
     with open(path, "rb") as f:
-        return _check_rows(path, fields, _lines(f))
+        return _check_rows(path, fields, _lines(f), digest)
 
 
-def _check_rows(path, fields, lines):
+def _check_rows(path, fields, lines, digest):
     """_read_jsonl's rows, checked line by line: [(where, row)]."""
     rows = []
     for n, raw in enumerate(lines, 1):
+        digest.update(raw)
         if len(raw.rstrip(b"\r\n")) > MAX_LINE_BYTES:
             raise SystemExit(
                 f"error: {path}:{n}: a line longer than {MAX_LINE_BYTES >> 20} MiB; expected "
@@ -1072,6 +1108,8 @@ def load_model_and_tokenizer(
     model.fresh_head = check_all_loaded(path, info["missing_keys"], new_head, flag)
     check_generation_config(path, model, flag)
     check_special_tokens_known(tok, path, flag)
+    digest = folder_digest(tok, config, model, info["missing_keys"])
+    same_on_every_rank(f"{flag} {path}", digest)
     if tok.eos_token_id is None:
         raise SystemExit(f"error: {flag} {path}: the tokenizer has no EOS token")
     if tok.pad_token_id is None:
@@ -1083,6 +1121,28 @@ def load_model_and_tokenizer(
             f"{rows} rows; call model.resize_token_embeddings(len(tokenizer)) and save the model"
         )
     return model, tok
+
+
+def folder_digest(tok, config, model, missing):
+    """sha256 of what a model folder gave this rank (`same_on_every_rank` compares them): the
+    tokenizer (`tokenizer_digest`, of a freshly loaded one), config.json, the generation settings
+    and the weights, less `missing` (a fresh head, drawn from each rank's own RNG).
+
+    Each weight tensor enters by the CRC32 of its bytes (zlib's, at memory speed: 0.15 s a GB
+    here, against 0.5-2.7 s for sha256 by whether the CPU has SHA instructions), read from the
+    loaded tensors (on the CPU, `load_weights`) without a copy. A checksum, not a hash: it tells
+    copies apart (one changed bit always changes a CRC32, another revision changes nearly every
+    tensor's), which is all it is for; none of one run's nodes is a forger."""
+    parts = [tokenizer_digest(tok), settings_json(config.to_dict())]
+    generation = getattr(model, "generation_config", None)  # none for a classifier
+    if generation is not None:
+        parts.append(settings_json(generation.to_dict()))
+    for name, param in model.named_parameters():  # a tied head is named once
+        if name in missing:
+            continue
+        raw = param.detach().contiguous().view(-1).view(torch.uint8).numpy()  # any dtype
+        parts.append(f"{name} {tuple(param.shape)} {zlib.crc32(raw)}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def load_weights(path, model_class, kwargs, flag):

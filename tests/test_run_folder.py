@@ -13,6 +13,8 @@ import socket
 import subprocess
 
 import pytest
+import safetensors.torch
+import torch
 from test_bad_input import assert_one_line_error
 from test_sft_resume import Payload
 
@@ -297,12 +299,33 @@ def test_a_second_run_into_the_same_out_dir_is_refused(tmp_path, addition_jsonl)
     assert [r["step"] for r in metrics(out)] == list(range(1, k + 1))
 
 
-# Two "nodes" on one machine: each rank starts in a folder of its own, picked by its RANK
+# Two "nodes" on one machine: each rank starts in a folder of its own, picked by its RANK; with
+# PLAINRLHF_TEST_NODE_NAMES, each also calls its host by its own name
 NODE_LOCAL_SITE = """
 import os
+import socket
 if "RANK" in os.environ and "PLAINRLHF_TEST_NODE_DIRS" in os.environ:
-    os.chdir(os.environ["PLAINRLHF_TEST_NODE_DIRS"].split(",")[int(os.environ["RANK"])])
+    rank = int(os.environ["RANK"])
+    os.chdir(os.environ["PLAINRLHF_TEST_NODE_DIRS"].split(",")[rank])
+    if "PLAINRLHF_TEST_NODE_NAMES" in os.environ:
+        name = os.environ["PLAINRLHF_TEST_NODE_NAMES"].split(",")[rank]
+        socket.gethostname = lambda: name
 """
+
+
+def two_nodes(tmp_path, names=False):
+    """([node0, node1], env): two folders, and the environment in which rank r of a run starts
+    in node<r> (and, with names, calls its host node<r>)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NODE_LOCAL_SITE)
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    env = {"PYTHONPATH": str(site), "PLAINRLHF_TEST_NODE_DIRS": ",".join(map(str, nodes))}
+    if names:
+        env["PLAINRLHF_TEST_NODE_NAMES"] = "node0,node1"
+    return nodes, env
 
 
 def test_an_out_dir_a_rank_does_not_see_is_refused_before_any_step(tmp_path, addition_jsonl):
@@ -311,19 +334,53 @@ def test_an_out_dir_a_rank_does_not_see_is_refused_before_any_step(tmp_path, add
     after its steps; with --on_save_error warn every save did, while the run trained on. Now the
     ranks read back the id rank 0 wrote into out_dir/.lock (`checkpoint._check_shared`): one line,
     before any step. Here each rank's working directory stands for its node."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(NODE_LOCAL_SITE)
-    nodes = [tmp_path / "node0", tmp_path / "node1"]
-    for node in nodes:
-        node.mkdir()
-    env = {"PYTHONPATH": str(site), "PLAINRLHF_TEST_NODE_DIRS": ",".join(map(str, nodes))}
+    nodes, env = two_nodes(tmp_path)
     args = sft("run", addition_jsonl, "--on_save_error", "warn")
     p = run("train_sft.py", *args, check=False, env=env)
     host = socket.gethostname()
     assert_ranks_error(p, f"run: rank 1 (on {host}) does not see rank 0's files there")
     assert not os.path.exists(nodes[0] / "run" / "metrics.jsonl")  # no step was taken
     assert not os.path.exists(nodes[1] / "run" / "checkpoints")
+
+
+def test_a_data_file_whose_copies_differ_between_nodes_is_refused(tmp_path, addition_jsonl):
+    """A relative --data on two nodes names a copy on each node's disk. Copies that differ (here
+    node1's lacks the last row) trained each rank on its share of other rows, unannounced; now
+    the ranks compare what they read (`common.same_on_every_rank`): one line, before any step."""
+    nodes, env = two_nodes(tmp_path, names=True)
+    rows = open(addition_jsonl).read().splitlines(keepends=True)
+    (nodes[0] / "data.jsonl").write_text("".join(rows))
+    (nodes[1] / "data.jsonl").write_text("".join(rows[:-1]))
+    out = tmp_path / "run"
+    p = run("train_sft.py", *sft(str(out), "data.jsonl"), check=False, env=env)
+    assert_ranks_error(
+        p,
+        "error: data.jsonl: rank 1 (on node1) read other contents than rank 0 (on node0): each "
+        "node reads its own copy of this path, and the copies differ",
+    )
+    assert not os.path.exists(out / "metrics.jsonl")
+
+
+def test_a_model_folder_whose_copies_differ_between_nodes_is_refused(tmp_path, addition_jsonl):
+    """A relative --model on two nodes: node1's copy has one weight one float step away. FSDP2
+    would have built the model from both copies (each rank keeps its own slice), unannounced;
+    now one line names the flag, before any step. Equal copies pass (every other run here)."""
+    nodes, env = two_nodes(tmp_path, names=True)
+    for node in nodes:
+        shutil.copytree(task.TINY_MODEL, node / "model")
+    weights = nodes[1] / "model" / "model.safetensors"
+    tensors = safetensors.torch.load_file(weights)
+    name = sorted(tensors)[0]
+    first = tensors[name].view(-1)
+    first[0] = torch.nextafter(first[0], torch.tensor(1.0))
+    safetensors.torch.save_file(tensors, weights, metadata={"format": "pt"})
+    out = tmp_path / "run"
+    args = sft(str(out), addition_jsonl, "--model", "model")
+    p = run("train_sft.py", *args, check=False, env=env)
+    assert_ranks_error(
+        p, "error: --model ", "model: rank 1 (on node1) read other contents than rank 0 (on node0)"
+    )
+    assert not os.path.exists(out / "metrics.jsonl")
 
 
 # Rank 1 on a filesystem that keeps flock per machine: its flock always succeeds
