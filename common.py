@@ -442,6 +442,19 @@ def same_on_every_rank(what, digest):
         )
 
 
+def same_source_on_every_rank(what, fn):
+    """Collective: the file of the module that defines `fn` (a user's reward rule, imported from
+    each node's own PYTHONPATH) must hold the same bytes on every rank (`same_on_every_rank`).
+    A function of no file (a builtin) has nothing to compare."""
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    path = getattr(module, "__file__", None)
+    digest = "no file"
+    if path and os.path.isfile(path):
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    same_on_every_rank(f"{what} ({path})", digest)
+
+
 class Stopwatch:
     """Wall time of a loop's consecutive phases, each under the name it is logged as:
     `lap("time/rollout_s")` as a phase ends. On a GPU a lap ends where the host is; kernels still

@@ -686,7 +686,7 @@ def check_args(args, world):
 def check_reward_flags(args):
     """The reward is --reward_fn's rule or --reward_model's score, never both: a flag of the one
     not in use is refused in one line, not silently ignored (a --reward_fn beside a
-    --reward_model was never called)."""
+    --reward_model was never called). The rules in use are imported here (`load_rule`)."""
     if args.gold_reward_fn and not args.reward_model:
         raise SystemExit(
             f"error: --gold_reward_fn {args.gold_reward_fn} is logged beside --reward_model's "
@@ -703,10 +703,14 @@ def check_reward_flags(args):
             "error: --reward_norm applies to --reward_model's score only; the --reward_fn rule "
             "is used as it returns"
         )
+    # Imported now, and compared between the ranks: a node with another copy of the rule's file
+    # would pay its samples by another rule
     if args.gold_reward_fn:
-        load_rule(args.gold_reward_fn, "--gold_reward_fn")
+        gold = load_rule(args.gold_reward_fn, "--gold_reward_fn")
+        common.same_source_on_every_rank(f"--gold_reward_fn {args.gold_reward_fn}", gold)
     if not args.reward_model:
-        load_rule(args.reward_fn, "--reward_fn")
+        rule = load_rule(args.reward_fn, "--reward_fn")
+        common.same_source_on_every_rank(f"--reward_fn {args.reward_fn}", rule)
 
 
 # Flags of GAE and its critic, which grpo and rloo have none of: set there, they would do nothing.

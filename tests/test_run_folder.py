@@ -302,16 +302,18 @@ def test_a_second_run_into_the_same_out_dir_is_refused(tmp_path, addition_jsonl)
 
 
 # Two "nodes" on one machine: each rank starts in a folder of its own, picked by its RANK; with
-# PLAINRLHF_TEST_NODE_NAMES, each also calls its host by its own name
+# PLAINRLHF_TEST_NODE_NAMES, each also calls its host by its own name and imports from its folder
 NODE_LOCAL_SITE = """
 import os
 import socket
+import sys
 if "RANK" in os.environ and "PLAINRLHF_TEST_NODE_DIRS" in os.environ:
     rank = int(os.environ["RANK"])
     os.chdir(os.environ["PLAINRLHF_TEST_NODE_DIRS"].split(",")[rank])
     if "PLAINRLHF_TEST_NODE_NAMES" in os.environ:
         name = os.environ["PLAINRLHF_TEST_NODE_NAMES"].split(",")[rank]
         socket.gethostname = lambda: name
+        sys.path.append(os.getcwd())  # the node's own modules, as on a PYTHONPATH of each node
 """
 
 
@@ -359,6 +361,23 @@ def test_a_data_file_whose_copies_differ_between_nodes_is_refused(tmp_path, addi
         p,
         "error: data.jsonl: rank 1 (on node1) read other contents than rank 0 (on node0): each "
         "node reads its own copy of this path, and the copies differ",
+    )
+    assert not os.path.exists(out / "metrics.jsonl")
+
+
+def test_a_reward_rule_whose_copies_differ_between_nodes_is_refused(tmp_path):
+    """--reward_fn from a module on each node's own path, node1's copy another rule: one line
+    naming the flag and the file, before any model loads."""
+    nodes, env = two_nodes(tmp_path, names=True)
+    (nodes[0] / "node_rule.py").write_text("def score(prompt, response):\n    return 1.0\n")
+    (nodes[1] / "node_rule.py").write_text("def score(prompt, response):\n    return 0.0\n")
+    out = tmp_path / "run"
+    args = ("--reward_fn", "node_rule:score", "--out_dir", out, "--max_steps", 1)
+    p = run("train_ppo.py", *args, check=False, env=env)
+    assert_ranks_error(
+        p,
+        "error: --reward_fn node_rule:score (",
+        "node_rule.py): rank 1 (on node1) read other contents than rank 0 (on node0)",
     )
     assert not os.path.exists(out / "metrics.jsonl")
 
