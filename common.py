@@ -324,9 +324,11 @@ def check_same_code():
     repo = os.path.dirname(os.path.abspath(__file__))
     code = hashlib.sha256()
     for name in sorted(os.listdir(repo)):
-        if name.endswith(".py"):
+        path = os.path.join(repo, name)
+        # not an editor's lock (Emacs' .#common.py, a dangling link) nor macOS' ._common.py
+        if name.endswith(".py") and not name.startswith(".") and os.path.isfile(path):
             code.update(name.encode() + b"\0")
-            with open(os.path.join(repo, name), "rb") as f:
+            with open(path, "rb") as f:
                 code.update(f.read())
     versions = []
     for package in PACKAGES:
@@ -412,25 +414,56 @@ def global_maxima(local, device):
     return dict(zip(names, stacked.tolist()))
 
 
-def same_on_every_rank(what, digest):
-    """Collective: every rank must have read the same `what` (a data file, a model folder); one
-    line, on every rank, if one read other contents than rank 0. `digest`: a string that stands
-    for what this rank read. Without a group, or with one rank, nothing to compare.
+def read_on_every_rank(what, read):
+    """Collective: `read()` -> (result, digest) on every rank, where `digest` is a string that
+    stands for what the rank read of `what` (a data file, a model folder, a rule's module);
+    returns the result if every rank read the same, else stops every rank with one line.
 
     Each rank reads its inputs itself, by path. On several nodes a path off the shared filesystem
     names a copy on each node's own disk (a dataset staged to local NVMe, a model in a node's
     cache), and copies drift: one stale, half copied, another revision. Nothing else would notice:
     each rank would train on its share of other rows, and FSDP2 would build one model from the
-    shards of different weights, each rank keeping its slice of its own copy."""
+    shards of different weights, each rank keeping its slice of its own copy. A copy that fails
+    to read (missing, cut short, a bad row) fails on its node's ranks alone: their one-line
+    error (a SystemExit) is gathered too, so the other ranks stop with it instead of waiting for
+    them in the next collective."""
+    failure = None
+    result = None
+    digest = None
+    try:
+        result, digest = read()
+    except SystemExit as e:
+        if not isinstance(e.code, str):  # an exit status, not an error line
+            raise
+        failure = e
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
+        if failure is not None:
+            raise failure
+        return result
+    error = None
+    if failure is not None:
+        error = failure.code
     views = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (digest, socket.gethostname()))  # all stop, or none
-    first, first_host = views[0]
-    for rank, (theirs, host) in enumerate(views):
+    dist.all_gather_object(views, (digest, error, socket.gethostname()))  # all stop, or none
+    if failure is not None:
+        raise failure
+    check_same_reads(what, views)
+    return result
+
+
+def check_same_reads(what, views):
+    """read_on_every_rank's verdict on every rank's (digest, error, host): the first rank that
+    failed to read, or that read other contents than rank 0, in one line."""
+    first, _, first_host = views[0]
+    for rank, (theirs, error, host) in enumerate(views):
+        if error is not None:
+            raise SystemExit(f"error: rank {rank} (on {host}): {error.removeprefix('error: ')}")
         if theirs == first:
             continue
-        why = "it changed while the ranks read it"
+        why = (
+            "it changed while the ranks read it (or two nodes go by one host name and their "
+            "copies differ)"
+        )
         if host != first_host:
             why = (
                 "each node reads its own copy of this path, and the copies differ; give every "
@@ -442,17 +475,23 @@ def same_on_every_rank(what, digest):
         )
 
 
-def same_source_on_every_rank(what, fn):
-    """Collective: the file of the module that defines `fn` (a user's reward rule, imported from
-    each node's own PYTHONPATH) must hold the same bytes on every rank (`same_on_every_rank`).
-    A function of no file (a builtin) has nothing to compare."""
+def import_on_every_rank(what, load):
+    """Collective: `load()` -> a function (a user's reward rule, imported from each node's own
+    PYTHONPATH), returned where the file of the module that defines it holds the same bytes on
+    every rank (`read_on_every_rank`). A function of no file (a builtin) has none to compare."""
+    return read_on_every_rank(what, functools.partial(_function_and_source, load))
+
+
+def _function_and_source(load):
+    """(fn, sha256 of its defining module's file) of fn = load()."""
+    fn = load()
     module = sys.modules.get(getattr(fn, "__module__", None) or "")
     path = getattr(module, "__file__", None)
     digest = "no file"
     if path and os.path.isfile(path):
         with open(path, "rb") as f:
             digest = hashlib.sha256(f.read()).hexdigest()
-    same_on_every_rank(f"{what} ({path})", digest)
+    return fn, digest
 
 
 class Stopwatch:
@@ -694,7 +733,13 @@ def unique_keys(pairs):
 def load_jsonl(path, fields):
     """[(where, row)]: the rows of a JSONL file, each an object with string `fields`, and its
     `file:line` for the errors found later (a blank line is skipped, so a row's index is not its
-    line); errors found here name file and line too."""
+    line); errors found here name file and line too. Collective: every rank reads the file, and
+    they compare what they read (`read_on_every_rank`)."""
+    return read_on_every_rank(path, functools.partial(_load_jsonl, path, fields))
+
+
+def _load_jsonl(path, fields):
+    """(load_jsonl's rows, sha256 of the lines read)."""
     if os.path.exists(path) and not os.path.isfile(path):
         raise SystemExit(f"error: {path}: not a file (a folder or a device); expected JSONL")
     if not os.path.isfile(path):
@@ -704,8 +749,7 @@ def load_jsonl(path, fields):
         rows = _read_jsonl(path, fields, digest)
     except OSError as e:  # a disk or network read error carries no file name of its own
         raise SystemExit(f"error: {path}: {e.strerror or e}") from None
-    same_on_every_rank(path, digest.hexdigest())
-    return rows
+    return rows, digest.hexdigest()
 
 
 # A JSONL row is one example: a longer line (its line ending not counted) is no row (a whole
@@ -1143,7 +1187,18 @@ def load_model_and_tokenizer(
     A tokenizer without a PAD token (Llama 3 base, GPT-2) gets EOS as its PAD. That is safe here:
     every mask in plainrlhf is built from sequence lengths, never from `input_ids == pad_id`, so a
     filler EOS is never mistaken for a real one (the "N implementation details" warning is about
-    collators that mask by id). The same holds for PAD == EOS (Qwen2.5 base)."""
+    collators that mask by id). The same holds for PAD == EOS (Qwen2.5 base).
+
+    Collective: every rank loads the folder, and they compare what they loaded
+    (`read_on_every_rank`, `folder_digest`)."""
+    load = functools.partial(
+        _load_model_and_tokenizer, path, cls, attn_implementation, new_head, flag, kwargs
+    )
+    return read_on_every_rank(f"{flag} {path}", load)
+
+
+def _load_model_and_tokenizer(path, cls, attn_implementation, new_head, flag, kwargs):
+    """((model, tokenizer), folder_digest) for load_model_and_tokenizer."""
     if path == task.TINY_MODEL:
         task.ensure_tiny_model(path)  # every rank: atomic and deterministic, so no barrier needed
     try:
@@ -1163,8 +1218,7 @@ def load_model_and_tokenizer(
     model.fresh_head = check_all_loaded(path, info["missing_keys"], new_head, flag)
     check_generation_config(path, model, flag)
     check_special_tokens_known(tok, path, flag)
-    digest = folder_digest(tok, config, model, info["missing_keys"])
-    same_on_every_rank(f"{flag} {path}", digest)
+    digest = folder_digest(tok, config, model, info["missing_keys"])  # before PAD is set
     if tok.eos_token_id is None:
         raise SystemExit(f"error: {flag} {path}: the tokenizer has no EOS token")
     if tok.pad_token_id is None:
@@ -1175,11 +1229,11 @@ def load_model_and_tokenizer(
             f"error: {flag} {path}: the tokenizer has {len(tok)} tokens, the embedding matrix "
             f"{rows} rows; call model.resize_token_embeddings(len(tokenizer)) and save the model"
         )
-    return model, tok
+    return (model, tok), digest
 
 
 def folder_digest(tok, config, model, missing):
-    """sha256 of what a model folder gave this rank (`same_on_every_rank` compares them): the
+    """sha256 of what a model folder gave this rank (`read_on_every_rank` compares them): the
     tokenizer (`tokenizer_digest`, of a freshly loaded one), config.json, the generation settings
     and the weights, less `missing` (a fresh head, drawn from each rank's own RNG).
 

@@ -19,6 +19,7 @@ engines in rollout.py.
 """
 
 import dataclasses
+import functools
 import hashlib
 import importlib
 import json
@@ -706,11 +707,11 @@ def check_reward_flags(args):
     # Imported now, and compared between the ranks: a node with another copy of the rule's file
     # would pay its samples by another rule
     if args.gold_reward_fn:
-        gold = load_rule(args.gold_reward_fn, "--gold_reward_fn")
-        common.same_source_on_every_rank(f"--gold_reward_fn {args.gold_reward_fn}", gold)
+        gold = functools.partial(load_rule, args.gold_reward_fn, "--gold_reward_fn")
+        common.import_on_every_rank(f"--gold_reward_fn {args.gold_reward_fn}", gold)
     if not args.reward_model:
-        rule = load_rule(args.reward_fn, "--reward_fn")
-        common.same_source_on_every_rank(f"--reward_fn {args.reward_fn}", rule)
+        rule = functools.partial(load_rule, args.reward_fn, "--reward_fn")
+        common.import_on_every_rank(f"--reward_fn {args.reward_fn}", rule)
 
 
 # Flags of GAE and its critic, which grpo and rloo have none of: set there, they would do nothing.

@@ -350,7 +350,7 @@ def test_an_out_dir_a_rank_does_not_see_is_refused_before_any_step(tmp_path, add
 def test_a_data_file_whose_copies_differ_between_nodes_is_refused(tmp_path, addition_jsonl):
     """A relative --data on two nodes names a copy on each node's disk. Copies that differ (here
     node1's lacks the last row) trained each rank on its share of other rows, unannounced; now
-    the ranks compare what they read (`common.same_on_every_rank`): one line, before any step."""
+    the ranks compare what they read (`common.read_on_every_rank`): one line, before any step."""
     nodes, env = two_nodes(tmp_path, names=True)
     rows = open(addition_jsonl).read().splitlines(keepends=True)
     (nodes[0] / "data.jsonl").write_text("".join(rows))
@@ -375,9 +375,7 @@ def test_a_reward_rule_whose_copies_differ_between_nodes_is_refused(tmp_path):
     args = ("--reward_fn", "node_rule:score", "--out_dir", out, "--max_steps", 1)
     p = run("train_ppo.py", *args, check=False, env=env)
     assert_ranks_error(
-        p,
-        "error: --reward_fn node_rule:score (",
-        "node_rule.py): rank 1 (on node1) read other contents than rank 0 (on node0)",
+        p, "error: --reward_fn node_rule:score: rank 1 (on node1) read other contents than rank 0"
     )
     assert not os.path.exists(out / "metrics.jsonl")
 
@@ -437,6 +435,18 @@ def test_nodes_with_other_code_are_refused(tmp_path, addition_jsonl):
         "files in ",
         "differ; give every node the same checkout",
     )
+
+
+def test_a_data_file_missing_on_one_node_stops_every_rank_with_its_line(tmp_path, addition_jsonl):
+    """node1 lacks the copy: its rank stops with "no such file", and rank 0, which read its own,
+    stops with that line too (`common.read_on_every_rank` gathers the failure), where it waited
+    for rank 1 in the next collective until torchrun ended it."""
+    nodes, env = two_nodes(tmp_path, names=True)
+    shutil.copy(addition_jsonl, nodes[0] / "data.jsonl")
+    out = tmp_path / "run"
+    p = run("train_sft.py", *sft(str(out), "data.jsonl"), check=False, env=env)
+    assert_ranks_error(p, "data.jsonl: no such file")
+    assert "\nerror: rank 1 (on node1): data.jsonl: no such file\n" in p.stderr, p.stderr[-3000:]
 
 
 def test_a_model_folder_whose_copies_differ_between_nodes_is_refused(tmp_path, addition_jsonl):
