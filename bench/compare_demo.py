@@ -19,7 +19,10 @@ positions, rounds differently: PPO's numbers moved), and again when SFT's loss b
 it from a micro-batch's shortest prompt on (both stages moved), and on 2026-11-25 on another
 AMD EPYC machine (its kernels round differently; the code's numerics unchanged: its SFT is step
 for step that of the previous recording's code there), with `train/lr` as the rate each step
-trained at (the earlier file had the rate after the step). Float results can differ on
+trained at (the earlier file had the rate after the step), and on 2026-11-28 on an AMD EPYC
+whose kernels round as that one's: SFT bitwise the same, PPO parted at step 1 by 4e-9 in
+`val/loss`, bisected to the commit that set MKL_CBWR=AUTO,STRICT (a change of numerics on
+purpose, made on an Intel Xeon that could not check against this file). Float results can differ on
 another CPU (other SIMD kernels), so record your own reference before a change rather than
 comparing with ours.
 """
