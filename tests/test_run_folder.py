@@ -367,7 +367,7 @@ def test_a_data_file_whose_copies_differ_between_nodes_is_refused(tmp_path, addi
 
 def test_a_reward_rule_whose_copies_differ_between_nodes_is_refused(tmp_path):
     """--reward_fn from a module on each node's own path, node1's copy another rule: one line
-    naming the flag and the file, before any model loads."""
+    naming the flag and the rule, before any model loads."""
     nodes, env = two_nodes(tmp_path, names=True)
     (nodes[0] / "node_rule.py").write_text("def score(prompt, response):\n    return 1.0\n")
     (nodes[1] / "node_rule.py").write_text("def score(prompt, response):\n    return 0.0\n")
