@@ -92,7 +92,7 @@ def test_ppo_trains(straight, sft_model):
 def test_each_estimator_raises_the_score_it_is_given(tmp_path, sft_model, estimator):
     """The optimisation itself, which the tests of one step's numbers cannot see: under each
     advantage estimator a reward the tiny model can learn (the share of '1's in its answer,
-    tests/learnable.py; ~0.17 at the SFT model) climbs within 12 iterations (to ~0.6). It fails
+    tests/learnable.py; ~0.25 at the SFT model) climbs within 12 iterations (to ~0.6). It fails
     if the scores reach other responses than those they were given for (a shuffle across ranks,
     rows or epochs), or if the update climbs the wrong way."""
     args = ("--model", sft_model, "--out_dir", tmp_path, "--advantage_estimator", estimator)
@@ -104,7 +104,10 @@ def test_each_estimator_raises_the_score_it_is_given(tmp_path, sft_model, estima
     scores = [row["objective/score"] for row in iterations]
     assert len(scores) == 12
     last = sum(scores[-4:]) / 4
-    assert last > scores[0] + 0.25, scores  # scores[0]: the SFT model's samples
+    # The SFT model's answers hold ~0.25 '1's (about half the sums are above 99), its first
+    # batch's 0.17-0.32 by the seed; after 12 iterations 0.56-0.64 at seeds 1, 2, 3 and 42, and
+    # 0.13-0.24 with the scores rolled by one row (a mutation, checked by hand)
+    assert last > 0.45 and last > scores[0] + 0.15, scores
 
 
 def test_ppo_resume_is_exact(tmp_path, straight, sft_model):
