@@ -1113,6 +1113,8 @@ def load_error(path, e, flag="--model"):
     and cannot be a Hub id either ('name' or 'org/name') is named as missing: transformers would
     answer "Repo id must be in the form 'repo_name' or 'namespace/repo_name'" for `runs/sft/hf`."""
     local = path.startswith((".", "/", "~")) or path.count("/") > 1
+    if local and os.path.exists(path) and not os.path.isdir(path):
+        return f"error: {flag} {path}: not a folder (a file); give the model's folder"
     if local and not os.path.isdir(path):
         return f"error: {flag} {path}: no such folder"
     if os.path.isfile(os.path.join(path, "manifest.json")):

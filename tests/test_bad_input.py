@@ -28,6 +28,7 @@ def assert_one_line_error(p, *needles):
         ),
         (["--model", "/nonexistent/model"], ["--model /nonexistent/model: no such folder"]),
         (["--model", "runs/nonexistent/hf"], ["--model runs/nonexistent/hf: no such folder"]),
+        (["--model", "./README.md"], ["--model ./README.md: not a folder (a file)"]),
         (["--resume", "/tmp"], ["/tmp/manifest.json: missing"]),
         (["--data", "/nonexistent.jsonl"], ["/nonexistent.jsonl: no such file"]),
     ],
