@@ -1664,6 +1664,18 @@ def local_dir(args):
     return os.path.join("runs", "store", args.out_dir.split("://", 1)[1])
 
 
+def make_local_dir(args):
+    """Create the run's local folder (`local_dir`). A file already at that path is one line
+    naming the flag (os.makedirs would say only "File exists")."""
+    path = local_dir(args)
+    flag = "--out_dir"
+    if objstore.is_url(args.out_dir):
+        flag = "--local_dir"
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise SystemExit(f"error: {flag} {path}: not a folder (a file is there); give a folder")
+    os.makedirs(path, exist_ok=True)
+
+
 def upload_logs(args):
     """Rank 0, with an object-store --out_dir: the local logs replace their copies in the store
     (one PUT each). Best effort: a failure is a warning, the checkpoints are what must not fail."""

@@ -23,7 +23,6 @@ Reading order: `Args`; the math (`encode_pairs`, `collate`, `sequence_logprobs`,
 """
 
 import dataclasses
-import os
 import time
 import typing
 
@@ -279,7 +278,7 @@ def train_step(args, model, reference, optim, sched, mine, pad_id, device):
 
 def main(args):
     rank, world, device = common.init_distributed(args.seed, args.timeout_minutes)
-    os.makedirs(common.local_dir(args), exist_ok=True)
+    common.make_local_dir(args)
     common.check_batch_sizes(args, world)
     check_loss_flags(args)
     per_rank = args.train_batch_size // world

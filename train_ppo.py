@@ -1208,7 +1208,7 @@ MUST_MATCH = [
 
 def main(args):
     rank, world, device = common.init_distributed(args.seed, args.timeout_minutes)
-    os.makedirs(common.local_dir(args), exist_ok=True)
+    common.make_local_dir(args)
     check_args(args, world)
     n = args.n_samples_per_prompt
     per_rank = args.rollout_batch_size // world

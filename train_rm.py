@@ -29,7 +29,6 @@ logging) is in common.py.
 
 import dataclasses
 import math
-import os
 import time
 
 import torch
@@ -307,7 +306,7 @@ def record_reward_scale(args, model, train, pad_id, device):
 
 def main(args):
     rank, world, device = common.init_distributed(args.seed, args.timeout_minutes)
-    os.makedirs(common.local_dir(args), exist_ok=True)
+    common.make_local_dir(args)
     common.check_batch_sizes(args, world)
     per_rank = args.train_batch_size // world
     metrics_log = common.MetricsLog(common.local_dir(args), args.tensorboard, args.out_dir)

@@ -14,7 +14,6 @@ sharding, logging) is in common.py.
 """
 
 import dataclasses
-import os
 import time
 
 import torch
@@ -217,7 +216,7 @@ def train_step(args, model, optim, sched, mine, n_tokens, pad_id, device):
 
 def main(args):
     rank, world, device = common.init_distributed(args.seed, args.timeout_minutes)
-    os.makedirs(common.local_dir(args), exist_ok=True)
+    common.make_local_dir(args)
     common.check_batch_sizes(args, world)
     per_rank = args.train_batch_size // world
     metrics_log = common.MetricsLog(common.local_dir(args), args.tensorboard, args.out_dir)

@@ -420,6 +420,8 @@ def test_an_out_dir_that_cannot_be_made(tmp_path):
     (tmp_path / "file").write_text("")
     p = run_py("train_sft.py", "--out_dir", tmp_path / "file" / "out", "--max_steps", 1)
     assert_one_line_error(p, str(tmp_path / "file" / "out"), "Not a directory")
+    p = run_py("train_sft.py", "--out_dir", tmp_path / "file", "--max_steps", 1)
+    assert_one_line_error(p, f"--out_dir {tmp_path / 'file'}: not a folder (a file is there)")
 
 
 @pytest.mark.slow
