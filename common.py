@@ -1109,11 +1109,12 @@ def shard_model(model, device, offload=False, reshard_after_forward=True):
 
 
 def load_error(path, e, flag="--model"):
-    """The one line for a --model (or `flag`) that would not load. A path that is no folder here
-    and cannot be a Hub id either ('name' or 'org/name') is named as missing: transformers would
-    answer "Repo id must be in the form 'repo_name' or 'namespace/repo_name'" for `runs/sft/hf`."""
+    """The one line for a --model (or `flag`) that would not load. A file there is named as one;
+    a path that is no folder here and cannot be a Hub id either ('name' or 'org/name') is named as
+    missing: transformers would answer "Repo id must be in the form 'repo_name' or
+    'namespace/repo_name'" for `runs/sft/hf`."""
     local = path.startswith((".", "/", "~")) or path.count("/") > 1
-    if local and os.path.exists(path) and not os.path.isdir(path):
+    if os.path.exists(path) and not os.path.isdir(path):
         return f"error: {flag} {path}: not a folder (a file); give the model's folder"
     if local and not os.path.isdir(path):
         return f"error: {flag} {path}: no such folder"
@@ -1665,14 +1666,15 @@ def local_dir(args):
 
 
 def make_local_dir(args):
-    """Create the run's local folder (`local_dir`). A file already at that path is one line
-    naming the flag (os.makedirs would say only "File exists")."""
+    """Create the run's local folder (`local_dir`). A file or a dangling link already at that
+    path is one line naming the flag (os.makedirs would say only "File exists")."""
     path = local_dir(args)
-    flag = "--out_dir"
-    if objstore.is_url(args.out_dir):
-        flag = "--local_dir"
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise SystemExit(f"error: {flag} {path}: not a folder (a file is there); give a folder")
+    where = f"--out_dir {path}"
+    if objstore.is_url(args.out_dir):  # the local copy of the logs: --local_dir or its default
+        where = f"{path} (--out_dir {args.out_dir}'s local folder, --local_dir)"
+    plain = os.path.normpath(path)  # "file/": exists() is False for a file with a trailing slash
+    if os.path.lexists(plain) and not os.path.isdir(plain):
+        raise SystemExit(f"error: {where}: not a folder (a file or link is there); give a folder")
     os.makedirs(path, exist_ok=True)
 
 

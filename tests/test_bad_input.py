@@ -421,7 +421,9 @@ def test_an_out_dir_that_cannot_be_made(tmp_path):
     p = run_py("train_sft.py", "--out_dir", tmp_path / "file" / "out", "--max_steps", 1)
     assert_one_line_error(p, str(tmp_path / "file" / "out"), "Not a directory")
     p = run_py("train_sft.py", "--out_dir", tmp_path / "file", "--max_steps", 1)
-    assert_one_line_error(p, f"--out_dir {tmp_path / 'file'}: not a folder (a file is there)")
+    assert_one_line_error(p, f"--out_dir {tmp_path / 'file'}: not a folder (a file or link")
+    p = run_py("train_sft.py", "--out_dir", f"{tmp_path / 'file'}/", "--max_steps", 1)
+    assert_one_line_error(p, "not a folder (a file or link")
 
 
 @pytest.mark.slow

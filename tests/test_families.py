@@ -499,8 +499,12 @@ def test_gpt_neox_untied_embed_out_and_fused_qkv(tmp_path, gpt_neox_sft):
     """Pythia's family: the folder's head is `embed_out`, which transformers 5 holds as `lm_head`
     (the sync names it back, `revert_weight_conversion`: vLLM refused a sync that did not reach
     its head, checked by hand); vLLM 0.32 serves it through its Transformers backend, as OLMo 2
-    (`rollout._keep_decoration_to_the_engine`). Through PPO (GAE), resume, export, both loaders."""
+    (`rollout._keep_decoration_to_the_engine`). Through PPO (GAE), resume, export, both loaders;
+    the export keeps the folder's names, its own head."""
     family_case(tmp_path, gpt_neox_sft, "vllm")
+    exported = load_file(os.path.join(tmp_path, "ppo", "hf", "model.safetensors"))
+    assert "embed_out.weight" in exported and "lm_head.weight" not in exported
+    assert not torch.equal(exported["embed_out.weight"], exported["gpt_neox.embed_in.weight"])
 
 
 def test_reward_model_of_a_family_without_a_classifier(tmp_path):
