@@ -799,19 +799,64 @@ def _check_rows(path, fields, lines, digest):
         except RecursionError:  # `[[[[...` 100,000 deep: the parser's recursion, not a row
             raise SystemExit(f"error: {path}:{n}: not valid JSON (nested too deeply)")
         for field in fields:
-            if not isinstance(row, dict) or not isinstance(row.get(field), str):
-                raise SystemExit(f"error: {path}:{n}: expected a string field {field!r}")
-            try:  # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer takes
-                row[field].encode("utf-8")
-            except UnicodeEncodeError:
-                raise SystemExit(
-                    f"error: {path}:{n}: field {field!r} holds a lone surrogate (an unpaired "
-                    "\\uD800-\\uDFFF escape): not text"
-                ) from None
+            check_field(f"{path}:{n}", row, field)
         rows.append((f"{path}:{n}", row))
     if not rows:
         raise SystemExit(f"error: {path}: no examples")
     return rows
+
+
+def check_field(where, row, field):
+    """A row's `field` is text: a string; a "prompt" may also be a conversation
+    (`check_conversation`). Errors name the row (`where`, file:line) and the field."""
+    value = None
+    if isinstance(row, dict):
+        value = row.get(field)
+    if field == "prompt" and isinstance(value, list):
+        check_conversation(where, value)
+        return
+    if not isinstance(value, str):
+        also = ""
+        if field == "prompt":
+            also = ' (or a conversation: a list of {"role", "content"} messages)'
+        raise SystemExit(f"error: {where}: expected a string field {field!r}{also}")
+    check_text(where, value, repr(field))
+
+
+def check_text(where, text, what):
+    """JSON's \\ud800 escapes decode to lone surrogates, which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SystemExit(
+            f"error: {where}: field {what} holds a lone surrogate (an unpaired "
+            "\\uD800-\\uDFFF escape): not text"
+        ) from None
+
+
+def check_conversation(where, messages):
+    """A prompt given as a conversation so far, in the chat-message shape of transformers' chat
+    templates and TRL's conversational datasets: [{"role": "system", "content": "..."}, {"role":
+    "user", ...}, ...]. The chat template renders it with the generation prompt, so the response
+    is the next assistant turn: the conversation must end with another role's turn. Roles are
+    the template's to judge (it is tried on every prompt as the data loads: `encode_prompt`);
+    other keys of a message are passed to it as they are."""
+    if not messages:
+        raise SystemExit(f"error: {where}: field 'prompt' is an empty conversation")
+    for i, message in enumerate(messages):
+        what = f"'prompt', message {i}"
+        for key in ("role", "content"):
+            if not isinstance(message, dict) or not isinstance(message.get(key), str):
+                raise SystemExit(
+                    f"error: {where}: field {what}: expected a string {key!r} (a message is "
+                    '{"role": ..., "content": ...})'
+                )
+            check_text(where, message[key], f"{what}'s {key!r}")
+    if messages[-1]["role"] == "assistant":
+        raise SystemExit(
+            f"error: {where}: field 'prompt' ends with an assistant turn; the response is the "
+            "assistant's next turn, so a prompt ends with the turn it answers"
+        )
 
 
 def numbered(source, rows):
@@ -839,13 +884,36 @@ def check_fits(tok, text, max_tokens, where):
         )
 
 
+def chat_messages(prompt):
+    """The chat messages a prompt stands for: a string is one user turn, a conversation
+    (`check_conversation`) is its own messages."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return prompt
+
+
+def prompt_content(prompt):
+    """The text a prompt's rendering holds at least: the string, or the conversation's contents
+    one after the other; what `check_fits` bounds the prompt's tokens from below with."""
+    if isinstance(prompt, str):
+        return prompt
+    return "".join(message["content"] for message in prompt)
+
+
 def encode_prompt(tok, prompt, where):
-    """Token ids of a prompt: the chat template's user turn when the tokenizer has one. A
-    template that fails on this prompt (a `raise_exception` on some content, a filter that
-    cannot take it; `check_chat_template` tried one prompt only) is one line naming `where`."""
+    """Token ids of a prompt (a string or a conversation): the chat template's rendering of it
+    with the generation prompt when the tokenizer has one. A template that fails on this prompt
+    (a `raise_exception` on some content or role, a filter that cannot take it;
+    `check_chat_template` tried one user turn only) is one line naming `where`."""
     if not tok.chat_template:
+        if not isinstance(prompt, str):  # no template: nothing says how to join the turns
+            raise SystemExit(
+                f"error: {where}: the prompt is a conversation, and the tokenizer has no chat "
+                "template to render it (give the prompt as a string, or a model whose tokenizer "
+                "has one)"
+            )
         return tok(prompt).input_ids
-    messages = [{"role": "user", "content": prompt}]
+    messages = chat_messages(prompt)
     try:
         return tok.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
     except Exception as e:  # jinja's TemplateError, or what a filter raised: the template's
@@ -868,9 +936,9 @@ def prompt_text(tok, prompt):
     """The text encode_prompt's ids spell, less the special tokens the tokenizer adds itself (a
     BOS): the chat template's rendering (which apply_chat_template tokenizes without adding any),
     or the prompt as given. Called after encode_prompt of the same prompt, which checked the
-    template renders it."""
+    template renders it (and that a conversation has a template)."""
     if tok.chat_template:
-        messages = [{"role": "user", "content": prompt}]
+        messages = chat_messages(prompt)
         return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return prompt
 
@@ -900,7 +968,7 @@ def encode_pair(tok, row, max_len, where):
     end is a response token: DPO also learns where to stop. `where` names the row in the error
     if it does not fit the context."""
     longest = max(row["chosen"], row["rejected"], key=len)
-    check_fits(tok, row["prompt"] + longest, max_len, where)
+    check_fits(tok, prompt_content(row["prompt"]) + longest, max_len, where)
     prompt = encode_prompt(tok, row["prompt"], where)
     sequences = []
     for name in ("chosen", "rejected"):
@@ -996,7 +1064,7 @@ def check_held_out(tok, examples, max_len):
     longest = lengths.index(max(lengths))
     budget = 1 + lengths[longest]  # as decode_budget counts it
     for where, example in examples:
-        check_fits(tok, example["prompt"], max(max_len - budget, 1), where)
+        check_fits(tok, prompt_content(example["prompt"]), max(max_len - budget, 1), where)
         ids = encode_prompt(tok, example["prompt"], where)
         check_prompt_ids(ids, where)  # greedy_accuracy cannot generate from nothing
         n_prompt = len(ids)

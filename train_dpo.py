@@ -45,8 +45,9 @@ class Args(common.RunArgs):
     model: str = "runs/sft/hf"
     """the SFT export (HF folder or hub id): initialises the policy and the frozen reference"""
     data: str = ""
-    """training JSONL, one {"prompt": ..., "chosen": ..., "rejected": ...} per line (default: the
-    embedded task's pairs)"""
+    """training JSONL, one {"prompt": ..., "chosen": ..., "rejected": ...} per line, the prompt a
+    string or a conversation (a list of {"role", "content"} messages) (default: the embedded
+    task's pairs)"""
     eval_data: str = ""
     """held-out JSONL of {"prompt": ..., "response": ...} for greedy exact-match accuracy (default:
     the embedded task's held-out split; none with --data)"""

@@ -51,8 +51,8 @@ class Args(common.RunArgs):
     """the SFT export (HF folder or hub id): initialises actor, critic backbone and frozen
     reference"""
     data: str = ""
-    """prompts JSONL, one {"prompt": ...} per line (default: the embedded addition task's train
-    split)"""
+    """prompts JSONL, one {"prompt": ...} per line, a string or a conversation (a list of {"role",
+    "content"} messages) (default: the embedded addition task's train split)"""
     eval_data: str = ""
     """held-out prompts JSONL (default: the embedded task's held-out split; none with --data)"""
     out_dir: str = "runs/ppo"
@@ -614,9 +614,11 @@ def finite_number(value):
 
 
 def load_prompts(rows, tok, max_new_tokens, context, reward_tok=None):
-    """[(prompt token ids, prompt text)] of [(where, {"prompt"})] rows; a prompt with no room for
-    a response is an error naming its row, and so is one the reward model's chat template
-    (`reward_tok`, if it has its own) fails on: found now, not at the rollout that samples it."""
+    """[(prompt token ids, prompt)] of [(where, {"prompt"})] rows, the prompt as the data gives it
+    (a string, or a conversation: `common.check_conversation`), which the reward function and the
+    reward model get; a prompt with no room for a response is an error naming its row, and so is
+    one the reward model's chat template (`reward_tok`, if it has its own) fails on: found now,
+    not at the rollout that samples it."""
     if max_new_tokens >= context:  # no prompt fits: say so, not that the first prompt is long
         raise SystemExit(
             f"error: --max_new_tokens {max_new_tokens}: the model's context holds {context} "
@@ -624,17 +626,18 @@ def load_prompts(rows, tok, max_new_tokens, context, reward_tok=None):
         )
     items = []
     for where, row in rows:
-        common.check_fits(tok, row["prompt"], context - max_new_tokens, where)
-        ids = common.encode_prompt(tok, row["prompt"], where)
+        prompt = row["prompt"]
+        common.check_fits(tok, common.prompt_content(prompt), context - max_new_tokens, where)
+        ids = common.encode_prompt(tok, prompt, where)
         common.check_prompt_ids(ids, where)
         if reward_tok is not None:
-            common.encode_prompt(reward_tok, row["prompt"], f"{where} (--reward_model)")
+            common.encode_prompt(reward_tok, prompt, f"{where} (--reward_model)")
         if len(ids) + max_new_tokens > context:
             raise SystemExit(
                 f"error: {where}: prompt of {len(ids)} tokens + --max_new_tokens "
                 f"{max_new_tokens} exceeds the model's context ({context})"
             )
-        items.append((ids, row["prompt"]))
+        items.append((ids, prompt))
     return items
 
 
@@ -850,9 +853,10 @@ def check_reward_context(where, context, sequences, prompt_texts):
     fails with an IndexError, and a rotary one scores positions it never saw; so one line here."""
     for ids, prompt in zip(sequences, prompt_texts):
         if len(ids) > context:
+            text = common.prompt_content(prompt)  # a conversation's contents, one after another
             raise SystemExit(
                 f"error: --reward_model {where} takes at most {context} tokens; the prompt "
-                f"{prompt[:60]!r} and its response come to {len(ids)} in its tokenizer "
+                f"{text[:60]!r} and its response come to {len(ids)} in its tokenizer "
                 "(lower --max_new_tokens, or shorten the prompts)"
             )
 

@@ -51,8 +51,9 @@ class Args(common.RunArgs):
     """the SFT export, or any causal LM or sequence-classification folder or hub id: the reward
     model's backbone"""
     data: str = ""
-    """training JSONL, one {"prompt": ..., "chosen": ..., "rejected": ...} per line (default: the
-    embedded task's pairs)"""
+    """training JSONL, one {"prompt": ..., "chosen": ..., "rejected": ...} per line, the prompt a
+    string or a conversation (a list of {"role", "content"} messages) (default: the embedded
+    task's pairs)"""
     eval_data: str = ""
     """held-out JSONL in the same format (default: the embedded task's held-out pairs; none with
     --data)"""

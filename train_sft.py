@@ -35,7 +35,8 @@ class Args(common.RunArgs):
     model: str = task.TINY_MODEL
     """HF model folder or hub id (default: the embedded tiny Llama, built on first use)"""
     data: str = ""
-    """training JSONL, one {"prompt": ..., "response": ...} per line (default: the embedded task)"""
+    """training JSONL, one {"prompt": ..., "response": ...} per line, the prompt a string or a
+    conversation (a list of {"role", "content"} messages) (default: the embedded task)"""
     eval_data: str = ""
     """held-out JSONL in the same format (default: the embedded task's held-out split; none with
     --data)"""
@@ -90,7 +91,8 @@ def encode(tok, example, max_len, where):
     """(input_ids, n_prompt): the prompt's tokens, then the response and its end (EOS, or the
     chat template's end of turn: `common.response_end_id`), which the loss is taken on. `where`
     names the example in the error if it does not fit the context."""
-    common.check_fits(tok, example["prompt"] + example["response"], max_len, where)
+    text = common.prompt_content(example["prompt"]) + example["response"]
+    common.check_fits(tok, text, max_len, where)
     prompt = common.encode_prompt(tok, example["prompt"], where)
     common.check_prompt_ids(prompt, where)
     response = common.encode_response(tok, example["prompt"], example["response"])

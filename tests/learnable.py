@@ -7,3 +7,12 @@ signal, and a test of the optimisation needs a score that moves within seconds."
 def ones(prompt, response):
     """The share of the response's characters that are '1' (0 for an empty response)."""
     return response.count("1") / max(len(response), 1)
+
+
+def ones_after_a_conversation(prompt, response):
+    """`ones`, for a run whose prompts are conversations opening with a system turn
+    (tests/test_families.py::test_conversations_as_prompts_through_sft_dpo_and_ppo): a prompt
+    that reaches the function as anything else is an error, so the run fails."""
+    if not isinstance(prompt, list) or prompt[0]["role"] != "system":
+        raise ValueError(f"expected the data's conversation, got {prompt!r:.100}")
+    return ones(prompt, response)

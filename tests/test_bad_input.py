@@ -58,8 +58,24 @@ def test_bad_flags(tmp_path, extra, needles):
             '{"prompt": "1+1=", "response": "2", "prompt": "2+2="}\n',
             ["bad.jsonl:1: not valid JSON", "the key 'prompt' appears twice"],
         ),
+        (
+            '{"prompt": [{"role": "user", "content": "1+1="}], "response": "2"}\n',
+            ["bad.jsonl:1: the prompt is a conversation", "has no chat template"],
+        ),
+        (
+            '{"prompt": [{"role": "user", "text": "1+1="}], "response": "2"}\n',
+            ["bad.jsonl:1: field 'prompt', message 0: expected a string 'content'"],
+        ),
     ],
-    ids=["malformed-line", "missing-field", "empty", "lone-surrogate", "duplicate-key"],
+    ids=[
+        "malformed-line",
+        "missing-field",
+        "empty",
+        "lone-surrogate",
+        "duplicate-key",
+        "conversation-without-template",
+        "conversation-malformed",
+    ],
 )
 def test_bad_data_file(tmp_path, text, needles):
     (tmp_path / "bad.jsonl").write_text(text)

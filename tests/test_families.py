@@ -394,6 +394,57 @@ def test_qwen2_chatml_two_eos_ids_and_sampling_defaults(tmp_path, qwen2_sft, eng
     family_case(tmp_path, qwen2_sft, engine)
 
 
+def conversations(split, n):
+    """n rows of the embedded task whose prompts are conversations: a system turn, an earlier
+    exchange for every other row, then the question."""
+    rows = []
+    for i, example in enumerate(task.make_split(split)[:n]):
+        prompt = [{"role": "system", "content": "Add the two numbers."}]
+        if i % 2:
+            prompt += [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]
+        prompt.append({"role": "user", "content": example["prompt"]})
+        rows.append({**example, "prompt": prompt})
+    return rows
+
+
+def write_jsonl(path, rows):
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    return str(path)
+
+
+def test_conversations_as_prompts_through_sft_dpo_and_ppo(tmp_path, qwen2_sft):
+    """Prompts given as conversations (a system turn, earlier turns) train through SFT (its
+    held-out evaluation too), DPO and PPO on 2 ranks: each renders them with the ChatML
+    template; PPO's reward function gets the conversation itself (tests.learnable refuses
+    anything else) and samples.jsonl records it."""
+    train = conversations("train", 64)
+    held_out = conversations("test", 8)
+    data = write_jsonl(tmp_path / "sft.jsonl", train)
+    eval_data = write_jsonl(tmp_path / "eval.jsonl", held_out)
+    short = ("--max_steps", 2, "--train_batch_size", 16, "--micro_batch_size", 8)
+    short += ("--eval_every", 2)
+    out = str(tmp_path / "sft")
+    args = ("--model", qwen2_sft, "--out_dir", out, "--data", data, "--eval_data", eval_data)
+    run("train_sft.py", *args, *short)
+    assert [row["step"] for row in metrics(out) if "eval/accuracy" in row] == [2]
+    pairs = [{**row, "chosen": row["response"], "rejected": row["response"] + "1"} for row in train]
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    out = str(tmp_path / "dpo")
+    args = ("--model", qwen2_sft, "--out_dir", out, "--data", data, "--eval_data", eval_data)
+    run("train_dpo.py", *args, *short)
+    assert [row["step"] for row in metrics(out) if "eval/accuracy" in row] == [0, 2]
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": r["prompt"]} for r in train])
+    eval_prompts = write_jsonl(tmp_path / "eval_prompts.jsonl", [{"prompt": held_out[0]["prompt"]}])
+    out = str(tmp_path / "ppo")
+    args = ppo_args(out, qwen2_sft, "hf") + ("--data", prompts, "--eval_data", eval_prompts)
+    run("train_ppo.py", *args, "--reward_fn", "tests.learnable:ones_after_a_conversation")
+    assert [row["step"] for row in metrics(out) if "eval/accuracy" in row] == [0, 3]
+    with open(os.path.join(out, "samples.jsonl")) as f:
+        logged = [json.loads(line)["prompt"] for line in f]
+    assert logged and all(prompt in [r["prompt"] for r in train] for prompt in logged)
+
+
 def test_reward_model_of_another_family(tmp_path):
     """The tiny Llama policy scored by a GPT-2 reward model: another vocabulary, no PAD. It gets
     its own tokenisation of the decoded text (the policy's ids would index the wrong rows)."""

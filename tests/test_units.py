@@ -135,8 +135,30 @@ def test_encode_appends_eos_and_rejects_overlong():
             '{"prompt": "1+1=", "response": "2"}\n\n{"prompt": "1+1="}\n',
             r"data.jsonl:3: expected a string field 'response'",
         ),
-        ('["prompt"]\n', r"data.jsonl:1: expected a string field 'prompt'"),
+        ('["prompt"]\n', r"data.jsonl:1: expected a string field 'prompt' \(or a conversation"),
         ("\n\n", r"data.jsonl: no examples"),
+        ('{"prompt": [], "response": "2"}\n', r"data.jsonl:1: field 'prompt' is an empty conv"),
+        (
+            '{"prompt": ["1+1="], "response": "2"}\n',
+            r"data.jsonl:1: field 'prompt', message 0: expected a string 'role'",
+        ),
+        (
+            '{"prompt": [{"role": "user", "content": 2}], "response": "2"}\n',
+            r"data.jsonl:1: field 'prompt', message 0: expected a string 'content'",
+        ),
+        (
+            '{"prompt": [{"role": "user", "content": "\\ud800"}], "response": "2"}\n',
+            r"data.jsonl:1: field 'prompt', message 0's 'content' holds a lone surrogate",
+        ),
+        (
+            '{"prompt": [{"role": "user", "content": "1+1="}, {"role": "assistant", '
+            '"content": "2"}], "response": "2"}\n',
+            r"data.jsonl:1: field 'prompt' ends with an assistant turn",
+        ),
+        (
+            '{"prompt": [{"role": "user", "content": "1+1="}], "response": ["2"]}\n',
+            r"data.jsonl:1: expected a string field 'response'$",
+        ),
     ],
 )
 def test_load_jsonl_errors_name_file_and_line(tmp_path, content, message):
@@ -145,6 +167,54 @@ def test_load_jsonl_errors_name_file_and_line(tmp_path, content, message):
         common.load_jsonl(str(tmp_path / "data.jsonl"), ("prompt", "response"))
     with pytest.raises(SystemExit, match="nope.jsonl: no such file"):
         common.load_jsonl(str(tmp_path / "nope.jsonl"), ("prompt",))
+
+
+def test_a_conversation_as_prompt_is_rendered_by_the_chat_template(tmp_path):
+    """A prompt may be a conversation so far (a system turn, earlier turns), as TRL's
+    conversational datasets give it: each stage renders it with the chat template and the
+    generation prompt, and the response continues that rendering. A tokenizer without a
+    template cannot render one (one line), and a template that refuses a role is one line too."""
+    from transformers import AutoTokenizer
+
+    conversation = [
+        {"role": "system", "content": "Add."},
+        {"role": "user", "content": "1+1="},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "1+2="},
+    ]
+    data = tmp_path / "data.jsonl"
+    data.write_text(
+        json.dumps({"prompt": conversation, "response": "3"})
+        + "\n"
+        + json.dumps({"prompt": "2+2=", "response": "4"})
+        + "\n"
+    )
+    rows = common.load_jsonl(str(data), ("prompt", "response"))
+    assert [row["prompt"] for _, row in rows] == [conversation, "2+2="]
+    tok = gemma_style_tokenizer()
+    ids, n_prompt = train_sft.encode(tok, rows[0][1], 128, rows[0][0])
+    whole = conversation + [{"role": "assistant", "content": "3"}]
+    rendered = tok.apply_chat_template(whole, tokenize=False)
+    assert tok.decode(ids) == rendered.removesuffix("\n")  # the whole dialogue, as the template
+    assert tok.convert_ids_to_tokens(ids[n_prompt:]) == ["3", "<end_of_turn>"]
+    prompt_ids = tok.apply_chat_template(conversation, add_generation_prompt=True)["input_ids"]
+    assert ids[:n_prompt] == prompt_ids
+    # PPO keeps the prompt as given (its reward function gets it); the pair stages encode it so
+    loaded = train_ppo.load_prompts([(w, {"prompt": r["prompt"]}) for w, r in rows], tok, 4, 128)
+    assert loaded[0] == (prompt_ids, conversation)
+    pair = {"prompt": conversation, "chosen": "3", "rejected": "4"}
+    (chosen, n_chosen), _ = common.encode_pair(tok, pair, 128, "p.jsonl:1")
+    assert chosen == ids and n_chosen == n_prompt
+    plain = AutoTokenizer.from_pretrained(task.TINY_MODEL)
+    with pytest.raises(
+        SystemExit, match=r"data.jsonl:1: the prompt is a conversation, and the tokenizer has no"
+    ):
+        train_sft.encode(plain, rows[0][1], 128, rows[0][0])
+    no_system = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system') }}"
+    tok.chat_template = no_system + "{% endif %}" + GEMMA_TEMPLATE
+    with pytest.raises(SystemExit, match=r"data.jsonl:1: the chat template fails .*no system"):
+        train_sft.encode(tok, rows[0][1], 128, rows[0][0])
+    assert train_sft.encode(tok, rows[1][1], 128, rows[1][0])  # a string prompt: a user turn
 
 
 def test_rng_state_round_trips_through_json():
