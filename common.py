@@ -819,6 +819,12 @@ def check_field(where, row, field):
         also = ""
         if field == "prompt":
             also = ' (or a conversation: a list of {"role", "content"} messages)'
+        if field == "prompt" and isinstance(row, dict) and "messages" in row:
+            # TRL's SFT format, {"messages": [...]}: say how it maps, rather than guess
+            also = (
+                ": a 'messages' list is not read; give the conversation as 'prompt' (for SFT, "
+                "the turns before its last assistant turn, and that turn's content as 'response')"
+            )
         raise SystemExit(f"error: {where}: expected a string field {field!r}{also}")
     check_text(where, value, repr(field))
 

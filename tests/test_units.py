@@ -139,6 +139,10 @@ def test_encode_appends_eos_and_rejects_overlong():
         ("\n\n", r"data.jsonl: no examples"),
         ('{"prompt": [], "response": "2"}\n', r"data.jsonl:1: field 'prompt' is an empty conv"),
         (
+            '{"messages": [{"role": "user", "content": "1+1="}]}\n',
+            r"data.jsonl:1: expected a string field 'prompt': a 'messages' list is not read",
+        ),
+        (
             '{"prompt": ["1+1="], "response": "2"}\n',
             r"data.jsonl:1: field 'prompt', message 0: expected a string 'role'",
         ),
