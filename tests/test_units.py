@@ -209,6 +209,8 @@ def test_a_conversation_as_prompt_is_rendered_by_the_chat_template(tmp_path):
     pair = {"prompt": conversation, "chosen": "3", "rejected": "4"}
     (chosen, n_chosen), _ = common.encode_pair(tok, pair, 128, "p.jsonl:1")
     assert chosen == ids and n_chosen == n_prompt
+    # and PPO gives a reward model the sequence it was trained on
+    assert train_ppo.reward_model_inputs(tok, [conversation], ["3"], [True]) == [ids]
     plain = AutoTokenizer.from_pretrained(task.TINY_MODEL)
     with pytest.raises(
         SystemExit, match=r"data.jsonl:1: the prompt is a conversation, and the tokenizer has no"
