@@ -816,17 +816,29 @@ def check_field(where, row, field):
         check_conversation(where, value)
         return
     if not isinstance(value, str):
-        also = ""
-        if field == "prompt":
-            also = ' (or a conversation: a list of {"role", "content"} messages)'
-        if field == "prompt" and isinstance(row, dict) and "messages" in row:
-            # TRL's SFT format, {"messages": [...]}: say how it maps, rather than guess
-            also = (
-                ": a 'messages' list is not read; give the conversation as 'prompt' (for SFT, "
-                "the turns before its last assistant turn, and that turn's content as 'response')"
-            )
-        raise SystemExit(f"error: {where}: expected a string field {field!r}{also}")
+        raise SystemExit(
+            f"error: {where}: expected a string field {field!r}{field_hint(row, field)}"
+        )
     check_text(where, value, repr(field))
+
+
+def field_hint(row, field):
+    """What check_field's error adds for a row in one of TRL's conversational shapes: how it maps
+    here, rather than a guess at it."""
+    if not isinstance(row, dict):
+        row = {}  # (a JSON array or value as a row: only the field's own hint applies)
+    if field == "prompt" and "messages" in row:  # TRL's SFT rows, {"messages": [...]}
+        return (
+            ": a 'messages' list is not read; give the conversation as 'prompt' (for SFT, the "
+            "turns before its last assistant turn, and that turn's content as 'response')"
+        )
+    if field == "prompt":
+        return ' (or a conversation: a list of {"role", "content"} messages)'
+    if field == "response" and "completion" in row:  # TRL's prompt-completion rows
+        return ": a 'completion' is not read; give the response's text as 'response'"
+    if isinstance(row.get(field), list):  # TRL's conversational preference rows
+        return " (the assistant turn's content, not a list of messages)"
+    return ""
 
 
 def check_text(where, text, what):
@@ -857,11 +869,15 @@ def check_conversation(where, messages):
                     f"error: {where}: field {what}: expected a string {key!r} (a message is "
                     '{"role": ..., "content": ...})'
                 )
-            check_text(where, message[key], f"{what}'s {key!r}")
-    if messages[-1]["role"] == "assistant":
+        for key, value in message.items():  # any string the template may print
+            if isinstance(value, str):
+                check_text(where, value, f"{what}'s {key!r}")
+    # "model": Gemma's templates' name for the assistant's turn
+    if messages[-1]["role"].casefold() in ("assistant", "model"):
         raise SystemExit(
-            f"error: {where}: field 'prompt' ends with an assistant turn; the response is the "
-            "assistant's next turn, so a prompt ends with the turn it answers"
+            f"error: {where}: field 'prompt' ends with an assistant turn (role "
+            f"{messages[-1]['role']!r}); the response is the assistant's next turn, so a prompt "
+            "ends with the turn it answers"
         )
 
 
@@ -898,34 +914,44 @@ def chat_messages(prompt):
     return prompt
 
 
-def prompt_content(prompt):
-    """The text a prompt's rendering holds at least: the string, or the conversation's contents
-    one after the other; what `check_fits` bounds the prompt's tokens from below with."""
+def prompt_content(tok, prompt, where):
+    """The text a prompt's tokens spell at least, for `check_fits` to bound them from below
+    before anything is tokenised: a string as given (its rendering holds it), a conversation's
+    rendering by the chat template (a template prints roles, turn markers and other keys its own
+    way, so nothing short of rendering bounds it; rendering costs little beside tokenising:
+    200,000 turns in 0.05 s)."""
     if isinstance(prompt, str):
         return prompt
-    return "".join(message["content"] for message in prompt)
+    return render_prompt(tok, prompt, where, tokenize=False)
 
 
-def encode_prompt(tok, prompt, where):
-    """Token ids of a prompt (a string or a conversation): the chat template's rendering of it
-    with the generation prompt when the tokenizer has one. A template that fails on this prompt
-    (a `raise_exception` on some content or role, a filter that cannot take it;
-    `check_chat_template` tried one user turn only) is one line naming `where`."""
-    if not tok.chat_template:
-        if not isinstance(prompt, str):  # no template: nothing says how to join the turns
-            raise SystemExit(
-                f"error: {where}: the prompt is a conversation, and the tokenizer has no chat "
-                "template to render it (give the prompt as a string, or a model whose tokenizer "
-                "has one)"
-            )
-        return tok(prompt).input_ids
+def render_prompt(tok, prompt, where, tokenize):
+    """The chat template's rendering of a prompt with the generation prompt: its text, or with
+    `tokenize` its ids. A template that fails on this prompt (a `raise_exception` on some content
+    or role, a filter that cannot take it; `check_chat_template` tried one user turn only), or a
+    conversation without a template, is one line naming `where`."""
+    if not tok.chat_template:  # no template: nothing says how to join the turns
+        raise SystemExit(
+            f"error: {where}: the prompt is a conversation, and the tokenizer has no chat "
+            "template to render it (give the prompt as a string, or a model whose tokenizer has "
+            "one)"
+        )
     messages = chat_messages(prompt)
     try:
-        return tok.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize)
     except Exception as e:  # jinja's TemplateError, or what a filter raised: the template's
         raise SystemExit(
             f"error: {where}: the chat template fails on this prompt ({checkpoint.describe(e)})"
         )
+
+
+def encode_prompt(tok, prompt, where):
+    """Token ids of a prompt (a string or a conversation): the chat template's rendering of it
+    with the generation prompt when the tokenizer has one (`render_prompt`), else the string as
+    it is tokenised whole."""
+    if isinstance(prompt, str) and not tok.chat_template:
+        return tok(prompt).input_ids
+    return render_prompt(tok, prompt, where, tokenize=True)["input_ids"]
 
 
 def check_prompt_ids(ids, where):
@@ -974,7 +1000,7 @@ def encode_pair(tok, row, max_len, where):
     end is a response token: DPO also learns where to stop. `where` names the row in the error
     if it does not fit the context."""
     longest = max(row["chosen"], row["rejected"], key=len)
-    check_fits(tok, prompt_content(row["prompt"]) + longest, max_len, where)
+    check_fits(tok, prompt_content(tok, row["prompt"], where) + longest, max_len, where)
     prompt = encode_prompt(tok, row["prompt"], where)
     sequences = []
     for name in ("chosen", "rejected"):
@@ -1070,7 +1096,8 @@ def check_held_out(tok, examples, max_len):
     longest = lengths.index(max(lengths))
     budget = 1 + lengths[longest]  # as decode_budget counts it
     for where, example in examples:
-        check_fits(tok, prompt_content(example["prompt"]), max(max_len - budget, 1), where)
+        text = prompt_content(tok, example["prompt"], where)
+        check_fits(tok, text, max(max_len - budget, 1), where)
         ids = encode_prompt(tok, example["prompt"], where)
         check_prompt_ids(ids, where)  # greedy_accuracy cannot generate from nothing
         n_prompt = len(ids)

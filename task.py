@@ -112,7 +112,9 @@ def make_pairs(split, per_prompt=1):
 
 def reward_fn(prompt, response):
     """1.0 when the response is the right sum, else 0.0. `response` is the decoded text, EOS
-    removed."""
+    removed; `prompt` the data's, "a+b=" or a conversation whose last turn is that."""
+    if not isinstance(prompt, str):
+        prompt = prompt[-1]["content"]
     a, b = prompt.strip().rstrip("=").split("+")
     return 1.0 if response.strip() == str(int(a) + int(b)) else 0.0
 

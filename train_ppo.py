@@ -18,6 +18,7 @@ iteration, numbered as in `main`: (1) `generate`, (2) `score`, (3) `old_logprobs
 engines in rollout.py.
 """
 
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -627,7 +628,8 @@ def load_prompts(rows, tok, max_new_tokens, context, reward_tok=None):
     items = []
     for where, row in rows:
         prompt = row["prompt"]
-        common.check_fits(tok, common.prompt_content(prompt), context - max_new_tokens, where)
+        text = common.prompt_content(tok, prompt, where)
+        common.check_fits(tok, text, context - max_new_tokens, where)
         ids = common.encode_prompt(tok, prompt, where)
         common.check_prompt_ids(ids, where)
         if reward_tok is not None:
@@ -642,8 +644,8 @@ def load_prompts(rows, tok, max_new_tokens, context, reward_tok=None):
 
 
 def load_data(args, tok, context, reward_tok):
-    """(training prompts, held-out prompts), each [(token ids, text)]; reward_tok: the reward
-    model's tokenizer, or None."""
+    """(training prompts, held-out prompts), each [(token ids, prompt as the data gives it)];
+    reward_tok: the reward model's tokenizer, or None."""
     if args.data:
         train_rows = common.load_jsonl(args.data, ("prompt",))
     else:
@@ -774,7 +776,9 @@ def rule_scores(spec, prompts, responses, flag="--reward_fn"):
     scores = []
     for prompt, response in zip(prompts, responses):
         try:
-            s = fn(prompt, response)
+            # a copy: a conversation is a list, and a function that appends the response to it
+            # (a common way to build the dialogue) would change the run's prompts from then on
+            s = fn(copy.deepcopy(prompt), response)
         # a user's function: any failure becomes one clear line, a sys.exit() in it too (it
         # ended the run with exit 0, nothing saved)
         except (Exception, SystemExit) as e:
@@ -792,16 +796,16 @@ def rule_scores(spec, prompts, responses, flag="--reward_fn"):
 
 
 @torch.no_grad()
-def score(args, tok, models, prompt_texts, responses, finished, device):
+def score(args, tok, models, data_prompts, responses, finished, device):
     """(2) Scores [B], before the EOS penalty: the rule reward on the decoded text, or the reward
     model's score of its own tokenisation of it, normalised with its config's reward_mean and
     reward_std unless --reward_norm false. Collective with a reward model (a sharded forward)."""
     texts = tok.batch_decode(responses, skip_special_tokens=True)
     if models.reward_model is None:
-        return rule_scores(args.reward_fn, prompt_texts, texts)
+        return rule_scores(args.reward_fn, data_prompts, texts)
     reward_tok = models.reward_tokenizer
-    sequences = reward_model_inputs(reward_tok, prompt_texts, texts, finished)
-    check_reward_context(args.reward_model, models.reward_context, sequences, prompt_texts)
+    sequences = reward_model_inputs(reward_tok, data_prompts, texts, finished)
+    check_reward_context(args.reward_model, models.reward_context, sequences, data_prompts)
     scores = reward_model_scores(
         models.reward_model, sequences, reward_tok.pad_token_id, args.micro_batch_size, device
     )
@@ -823,21 +827,21 @@ def check_finite_scores(scores, line):
         raise SystemExit(f"error: {line}")
 
 
-def gold_scores(args, tok, prompt_texts, responses):
+def gold_scores(args, tok, data_prompts, responses):
     """Scores [B] from --gold_reward_fn: the rule a learned reward stands in for, logged beside it
     and never trained on (the proxy/gold picture of Gao et al. 2022)."""
     texts = tok.batch_decode(responses, skip_special_tokens=True)
-    return rule_scores(args.gold_reward_fn, prompt_texts, texts, "--gold_reward_fn")
+    return rule_scores(args.gold_reward_fn, data_prompts, texts, "--gold_reward_fn")
 
 
-def reward_model_inputs(reward_tok, prompt_texts, response_texts, finished):
+def reward_model_inputs(reward_tok, data_prompts, response_texts, finished):
     """The reward model's own token ids for each (prompt, response), [B][len]: the prompt (through
     its chat template when it has one), the response, and its end (`common.response_end_id`) when
     the response ended there. The reward model never sees the policy's ids: its vocabulary and pad
     id may differ. This is the format `common.encode_pair` trains the reward model on
     (prompt, response, end)."""
     sequences = []
-    for prompt, response, ended in zip(prompt_texts, response_texts, finished):
+    for prompt, response, ended in zip(data_prompts, response_texts, finished):
         ids = common.encode_prompt(reward_tok, prompt, "--reward_model")  # load_prompts tried it
         ids = ids + common.encode_response(reward_tok, prompt, response)
         if ended:
@@ -846,14 +850,16 @@ def reward_model_inputs(reward_tok, prompt_texts, response_texts, finished):
     return sequences
 
 
-def check_reward_context(where, context, sequences, prompt_texts):
+def check_reward_context(where, context, sequences, data_prompts):
     """The reward model's input, re-encoded by its own tokenizer, must fit its context: the
     policy's limit (prompt + --max_new_tokens, checked at start) counts the policy's tokens, and
     another tokenizer may need more. Past its context a model with learned positions (GPT-2)
     fails with an IndexError, and a rotary one scores positions it never saw; so one line here."""
-    for ids, prompt in zip(sequences, prompt_texts):
+    for ids, prompt in zip(sequences, data_prompts):
         if len(ids) > context:
-            text = common.prompt_content(prompt)  # a conversation's contents, one after another
+            text = prompt
+            if not isinstance(prompt, str):  # a conversation: its last turn, the question
+                text = prompt[-1]["content"]
             raise SystemExit(
                 f"error: --reward_model {where} takes at most {context} tokens; the prompt "
                 f"{text[:60]!r} and its response come to {len(ids)} in its tokenizer "
@@ -1083,11 +1089,12 @@ def evaluate(args, engine, tok, models, items, device):
     mine, counted = common.eval_share(items)  # equal shares: scoring may be collective
     prompt_ids = [ids for ids, _ in mine]
     gen = engine.generate(prompt_ids, 1, args.max_new_tokens, 0.0, 1.0, [0] * len(mine))
-    texts = [text for _, text in mine]
-    scores = score(args, tok, models, texts, gen.response_ids, gen.finished, device)
+    data_prompts = [prompt for _, prompt in mine]  # as the data gives them (reward functions)
+    scores = score(args, tok, models, data_prompts, gen.response_ids, gen.finished, device)
     gold_sum = 0.0
     if args.gold_reward_fn:
-        gold_sum = gold_scores(args, tok, texts, gen.response_ids)[:counted].sum().item()
+        gold = gold_scores(args, tok, data_prompts, gen.response_ids)
+        gold_sum = gold[:counted].sum().item()
     # every rank scored a share: the means are over all of them
     local = {"score": scores[:counted].sum().item(), "count": counted, "gold": gold_sum}
     totals = common.global_sums(local, device)
@@ -1270,14 +1277,14 @@ def main(args):
         # (1) Rollout: this rank's share of the step's prompts, n samples each.
         gen = generate(args, engine, prompts, step, positions)
         prompt_ids = [ids for ids, _ in prompts for _ in range(n)]  # [B], prompt-major
-        prompt_texts = [text for _, text in prompts for _ in range(n)]
+        data_prompts = [prompt for _, prompt in prompts for _ in range(n)]
         clock.lap("time/rollout_s")
         # (2) Score; a response cut without EOS is penalised [N policy #5].
-        raw_scores = score(args, tok, models, prompt_texts, gen.response_ids, gen.finished, device)
+        raw_scores = score(args, tok, models, data_prompts, gen.response_ids, gen.finished, device)
         scores = eos_penalized(raw_scores, gen.finished, args.missing_eos_penalty)
         gold = None  # the rule beside a learned reward: logged, never trained on
         if args.gold_reward_fn:
-            gold = gold_scores(args, tok, prompt_texts, gen.response_ids)
+            gold = gold_scores(args, tok, data_prompts, gen.response_ids)
         clock.lap("time/score_s")  # reward function or model, gold scores
         # (3) Old and reference logprobs, values: in a random order, which the first PPO epoch
         # keeps (its first micro-batch then sees ratio == 1 exactly).

@@ -91,7 +91,7 @@ def encode(tok, example, max_len, where):
     """(input_ids, n_prompt): the prompt's tokens, then the response and its end (EOS, or the
     chat template's end of turn: `common.response_end_id`), which the loss is taken on. `where`
     names the example in the error if it does not fit the context."""
-    text = common.prompt_content(example["prompt"]) + example["response"]
+    text = common.prompt_content(tok, example["prompt"], where) + example["response"]
     common.check_fits(tok, text, max_len, where)
     prompt = common.encode_prompt(tok, example["prompt"], where)
     common.check_prompt_ids(prompt, where)

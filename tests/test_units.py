@@ -161,7 +161,20 @@ def test_encode_appends_eos_and_rejects_overlong():
         ),
         (
             '{"prompt": [{"role": "user", "content": "1+1="}], "response": ["2"]}\n',
-            r"data.jsonl:1: expected a string field 'response'$",
+            r"data.jsonl:1: expected a string field 'response' \(the assistant turn's content",
+        ),
+        (
+            '{"prompt": "1+1=", "completion": "2"}\n',
+            r"data.jsonl:1: expected a string field 'response': a 'completion' is not read",
+        ),
+        (
+            '{"prompt": [{"role": "user", "content": "1+1="}, {"role": "Model", '
+            '"content": "2"}], "response": "2"}\n',
+            r"data.jsonl:1: field 'prompt' ends with an assistant turn \(role 'Model'\)",
+        ),
+        (
+            '{"prompt": [{"role": "user", "content": "1", "name": "\\udc00"}], "response": "2"}\n',
+            r"data.jsonl:1: field 'prompt', message 0's 'name' holds a lone surrogate",
         ),
     ],
 )
@@ -221,6 +234,40 @@ def test_a_conversation_as_prompt_is_rendered_by_the_chat_template(tmp_path):
     with pytest.raises(SystemExit, match=r"data.jsonl:1: the chat template fails .*no system"):
         train_sft.encode(tok, rows[0][1], 128, rows[0][0])
     assert train_sft.encode(tok, rows[1][1], 128, rows[1][0])  # a string prompt: a user turn
+
+
+def test_a_conversation_reaches_a_reward_function_as_a_copy(tmp_path, monkeypatch):
+    """The rule gets the conversation as the data gives it, a copy each call: a function that
+    appends the response to it (a common way to build the dialogue) changed the run's stored
+    prompts, the n samples of one prompt each seeing the others' answers. The embedded rule
+    reads a conversation's last turn."""
+    (tmp_path / "appends.py").write_text(
+        "def f(prompt, response):\n"
+        "    prompt.append({'role': 'assistant', 'content': response})\n"
+        "    return float(len(prompt))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    conversation = [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+2="}]
+    prompts = [conversation, conversation]  # one prompt's two samples, as score gets them
+    assert train_ppo.rule_scores("appends:f", prompts, ["3", "4"]).tolist() == [3.0, 3.0]
+    assert conversation == [
+        {"role": "system", "content": "Add."},
+        {"role": "user", "content": "1+2="},
+    ]
+    assert train_ppo.rule_scores("task:reward_fn", prompts, ["3", "4"]).tolist() == [1.0, 0.0]
+
+
+def test_a_conversation_is_bounded_by_its_rendering_before_it_is_tokenised():
+    """check_fits bounds a prompt's tokens by its text before tokenising it (a 20 MB prompt took
+    59 s and 8.4 GB per rank); a conversation's contents alone do not bound its rendering (a role
+    of 2,000,000 characters, 200,000 empty turns), so its rendered text is what is measured."""
+    tok = gemma_style_tokenizer()
+    for conversation in (
+        [{"role": "u" * 2_000_000, "content": ""}],
+        [{"role": "user", "content": ""}] * 200_000,
+    ):
+        with pytest.raises(SystemExit, match=r"d.jsonl:1: \d+ characters, more than 124 tokens"):
+            train_ppo.load_prompts([("d.jsonl:1", {"prompt": conversation})], tok, 4, 128)
 
 
 def test_rng_state_round_trips_through_json():
