@@ -53,7 +53,8 @@ def test_errors_of_two_ranks_are_two_lines(tmp_path):
     bad.write_text('{"prompt": "1+1=", "response": "2"}\n{"prompt": 3}\n')
     status, lines = launch("sft", "--out_dir", tmp_path / "out", "--data", bad)
     assert status == 1
-    assert lines == [f"error: {bad}:2: expected a string field 'prompt'"] * 2, lines
+    hint = ' (or a conversation: a list of {"role", "content"} messages)'
+    assert lines == [f"error: {bad}:2: expected a string field 'prompt'{hint}"] * 2, lines
 
 
 def test_a_bad_flag_and_help_are_printed_once(tmp_path):
