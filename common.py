@@ -829,8 +829,8 @@ def field_hint(row, field):
         row = {}  # (a JSON array or value as a row: only the field's own hint applies)
     if field == "prompt" and "messages" in row:  # TRL's SFT rows, {"messages": [...]}
         return (
-            ": a 'messages' list is not read; give the conversation as 'prompt' (for SFT, the "
-            "turns before its last assistant turn, and that turn's content as 'response')"
+            ": a 'messages' row is SFT's data (train_sft.py, and held-out --eval_data); here "
+            "the conversation goes in 'prompt'"
         )
     if field == "prompt":
         return ' (or a conversation: a list of {"role", "content"} messages)'
@@ -852,17 +852,22 @@ def check_text(where, text, what):
         ) from None
 
 
-def check_conversation(where, messages):
-    """A prompt given as a conversation so far, in the chat-message shape of transformers' chat
-    templates and TRL's conversational datasets: [{"role": "system", "content": "..."}, {"role":
-    "user", ...}, ...]. The chat template renders it with the generation prompt, so the response
-    is the next assistant turn: the conversation must end with another role's turn. Roles are
-    the template's to judge (it is tried on every prompt as the data loads: `encode_prompt`);
-    other keys of a message are passed to it as they are."""
+# "model": Gemma's templates' name for the assistant's turn
+ASSISTANT_ROLES = ("assistant", "model")
+
+
+def is_assistant(message):
+    return message["role"].casefold() in ASSISTANT_ROLES
+
+
+def check_messages(where, messages, field):
+    """Each message of the conversation in `field` is {"role": str, "content": str, ...}, its
+    strings text; other keys go to the chat template as they are. One line naming the row, the
+    field and the message otherwise."""
     if not messages:
-        raise SystemExit(f"error: {where}: field 'prompt' is an empty conversation")
+        raise SystemExit(f"error: {where}: field {field!r} is an empty conversation")
     for i, message in enumerate(messages):
-        what = f"'prompt', message {i}"
+        what = f"{field!r}, message {i}"
         for key in ("role", "content"):
             if not isinstance(message, dict) or not isinstance(message.get(key), str):
                 raise SystemExit(
@@ -872,13 +877,69 @@ def check_conversation(where, messages):
         for key, value in message.items():  # any string the template may print
             if isinstance(value, str):
                 check_text(where, value, f"{what}'s {key!r}")
-    # "model": Gemma's templates' name for the assistant's turn
-    if messages[-1]["role"].casefold() in ("assistant", "model"):
+
+
+def check_conversation(where, messages):
+    """A prompt given as a conversation so far, in the chat-message shape of transformers' chat
+    templates and TRL's conversational datasets: [{"role": "system", "content": "..."}, {"role":
+    "user", ...}, ...]. The chat template renders it with the generation prompt, so the response
+    is the next assistant turn: the conversation must end with another role's turn. Roles are
+    the template's to judge (it renders every prompt as the data loads: `render_prompt`)."""
+    check_messages(where, messages, "prompt")
+    if is_assistant(messages[-1]):
         raise SystemExit(
             f"error: {where}: field 'prompt' ends with an assistant turn (role "
             f"{messages[-1]['role']!r}); the response is the assistant's next turn, so a prompt "
             "ends with the turn it answers"
         )
+
+
+def load_examples(path):
+    """[(where, {"prompt", "response"})] of a JSONL file of SFT examples (SFT's --data and
+    --eval_data, DPO's --eval_data): a {"prompt", "response"} row as it is, a {"messages": [...]}
+    row (TRL's conversational SFT rows) as one example per assistant turn (`turn_examples`)."""
+    examples = []
+    for where, row in load_jsonl(path, ()):
+        if isinstance(row, dict) and "messages" in row:
+            examples += turn_examples(where, row)
+        else:
+            check_field(where, row, "prompt")
+            check_field(where, row, "response")
+            examples.append((where, row))
+    return examples  # never empty: load_jsonl refuses a file of no rows
+
+
+def turn_examples(where, row):
+    """A {"messages": [...]} row as one example per assistant turn: the turns before it as the
+    prompt (a conversation, which the chat template renders with the generation prompt) and its
+    content as the response. Each turn is learned in the context it is generated in, and the loss
+    is on assistant turns only, as TRL's `assistant_only_loss`; an earlier turn's context is
+    encoded again for each later turn (the price of needing no {% generation %} markers in the
+    template). The conversation ends with an assistant turn (turns after the last would teach
+    nothing), and each assistant turn answers another role's."""
+    messages = row["messages"]
+    if "prompt" in row or "response" in row:
+        raise SystemExit(f"error: {where}: 'messages' beside 'prompt' or 'response'; give one")
+    if not isinstance(messages, list):
+        raise SystemExit(f"error: {where}: field 'messages': expected a list of messages")
+    check_messages(where, messages, "messages")
+    if not is_assistant(messages[-1]):
+        raise SystemExit(
+            f"error: {where}: field 'messages' ends with a {messages[-1]['role']!r} turn; SFT "
+            "learns the assistant's turns, and the turns after the last one teach nothing"
+        )
+    examples = []
+    for i, message in enumerate(messages):
+        if not is_assistant(message):
+            continue
+        if i == 0 or is_assistant(messages[i - 1]):
+            raise SystemExit(
+                f"error: {where}: field 'messages', message {i}: an assistant turn that answers "
+                "no other turn (the first message, or one after another assistant turn)"
+            )
+        example = {"prompt": messages[:i], "response": message["content"]}
+        examples.append((f"{where} (message {i})", example))
+    return examples
 
 
 def numbered(source, rows):

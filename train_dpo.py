@@ -194,7 +194,7 @@ def load_data(args, tok, max_len):
     else:
         train = common.numbered("embedded task", task.make_pairs("train"))
     if args.eval_data:
-        held_out = common.load_jsonl(args.eval_data, ("prompt", "response"))
+        held_out = common.load_examples(args.eval_data)
     elif args.data:
         held_out = []  # a user's data has no held-out split unless --eval_data gives one
     else:

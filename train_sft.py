@@ -36,7 +36,8 @@ class Args(common.RunArgs):
     """HF model folder or hub id (default: the embedded tiny Llama, built on first use)"""
     data: str = ""
     """training JSONL, one {"prompt": ..., "response": ...} per line, the prompt a string or a
-    conversation (a list of {"role", "content"} messages) (default: the embedded task)"""
+    conversation (a list of {"role", "content"} messages); or {"messages": [...]}, an example per
+    assistant turn (default: the embedded task)"""
     eval_data: str = ""
     """held-out JSONL in the same format (default: the embedded task's held-out split; none with
     --data)"""
@@ -141,13 +142,14 @@ def batch_tokens(examples):
 # ---- the phases --------------------------------------------------------------------------------
 def load_data(args, tok, max_len):
     """(training examples as (input_ids, n_prompt), held-out {"prompt", "response"} rows); the
-    rows come as [(where, row)] (`common.load_jsonl`), so an error names a row's file and line."""
+    rows come as [(where, row)] (`common.load_examples`: a {"messages"} row is one example per
+    assistant turn), so an error names a row's file and line."""
     if args.data:
-        train = common.load_jsonl(args.data, ("prompt", "response"))
+        train = common.load_examples(args.data)
     else:
         train = common.numbered("embedded task", task.make_split("train"))
     if args.eval_data:
-        held_out = common.load_jsonl(args.eval_data, ("prompt", "response"))
+        held_out = common.load_examples(args.eval_data)
     elif args.data:
         held_out = []  # a user's data has no held-out split unless --eval_data gives one
     else:

@@ -66,6 +66,10 @@ def test_bad_flags(tmp_path, extra, needles):
             '{"prompt": [{"role": "user", "text": "1+1="}], "response": "2"}\n',
             ["bad.jsonl:1: field 'prompt', message 0: expected a string 'content'"],
         ),
+        (
+            '{"messages": [{"role": "user", "content": "1+1="}]}\n',
+            ["bad.jsonl:1: field 'messages' ends with a 'user' turn"],
+        ),
     ],
     ids=[
         "malformed-line",
@@ -75,6 +79,7 @@ def test_bad_flags(tmp_path, extra, needles):
         "duplicate-key",
         "conversation-without-template",
         "conversation-malformed",
+        "messages-ending-with-the-user",
     ],
 )
 def test_bad_data_file(tmp_path, text, needles):

@@ -407,6 +407,18 @@ def conversations(split, n):
     return rows
 
 
+def as_messages(rows):
+    """Every other row as TRL's conversational SFT row, {"messages": [...]}: the same dialogue
+    with the answer as its last turn."""
+    turned = []
+    for i, row in enumerate(rows):
+        answer = {"role": "assistant", "content": row["response"]}
+        if i % 2:
+            row = {"messages": row["prompt"] + [answer]}
+        turned.append(row)
+    return turned
+
+
 def write_jsonl(path, rows):
     with open(path, "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
@@ -415,13 +427,13 @@ def write_jsonl(path, rows):
 
 def test_conversations_as_prompts_through_sft_dpo_and_ppo(tmp_path, qwen2_sft):
     """Prompts given as conversations (a system turn, earlier turns) train through SFT (its
-    held-out evaluation too), DPO and PPO on 2 ranks: each renders them with the ChatML
-    template; PPO's reward function gets the conversation itself (tests.learnable refuses
-    anything else) and samples.jsonl records it."""
+    held-out evaluation too, and {"messages"} rows beside them), DPO and PPO on 2 ranks: each
+    renders them with the ChatML template; PPO's reward function gets the conversation itself
+    (tests.learnable refuses anything else) and samples.jsonl records it."""
     train = conversations("train", 64)
     held_out = conversations("test", 8)
-    data = write_jsonl(tmp_path / "sft.jsonl", train)
-    eval_data = write_jsonl(tmp_path / "eval.jsonl", held_out)
+    data = write_jsonl(tmp_path / "sft.jsonl", as_messages(train))
+    eval_data = write_jsonl(tmp_path / "eval.jsonl", as_messages(held_out))
     short = ("--max_steps", 2, "--train_batch_size", 16, "--micro_batch_size", 8)
     short += ("--eval_every", 2)
     out = str(tmp_path / "sft")

@@ -140,7 +140,7 @@ def test_encode_appends_eos_and_rejects_overlong():
         ('{"prompt": [], "response": "2"}\n', r"data.jsonl:1: field 'prompt' is an empty conv"),
         (
             '{"messages": [{"role": "user", "content": "1+1="}]}\n',
-            r"data.jsonl:1: expected a string field 'prompt': a 'messages' list is not read",
+            r"data.jsonl:1: expected a string field 'prompt': a 'messages' row is SFT's data",
         ),
         (
             '{"prompt": ["1+1="], "response": "2"}\n',
@@ -234,6 +234,67 @@ def test_a_conversation_as_prompt_is_rendered_by_the_chat_template(tmp_path):
     with pytest.raises(SystemExit, match=r"data.jsonl:1: the chat template fails .*no system"):
         train_sft.encode(tok, rows[0][1], 128, rows[0][0])
     assert train_sft.encode(tok, rows[1][1], 128, rows[1][0])  # a string prompt: a user turn
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+def test_a_messages_row_is_an_example_per_assistant_turn(tmp_path):
+    """TRL's conversational SFT rows, {"messages": [...]}: one example per assistant turn, the
+    turns before it as a conversation prompt; a file may mix them with {"prompt", "response"}
+    rows. Each example is encoded as the chat template renders that turn's context."""
+    dialogue = [{"role": "system", "content": "Add."}, user("1+1="), assistant("2")]
+    dialogue += [user("1+2="), assistant("3")]
+    data = tmp_path / "data.jsonl"
+    rows = [{"prompt": "2+2=", "response": "4"}, {"messages": dialogue}]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    examples = common.load_examples(str(data))
+    assert [where.removeprefix(str(data)) for where, _ in examples] == [
+        ":1",
+        ":2 (message 2)",
+        ":2 (message 4)",
+    ]
+    assert [row for _, row in examples] == [
+        {"prompt": "2+2=", "response": "4"},
+        {"prompt": dialogue[:2], "response": "2"},
+        {"prompt": dialogue[:4], "response": "3"},
+    ]
+    tok = gemma_style_tokenizer()
+    ids, n_prompt = train_sft.encode(tok, examples[2][1], 128, examples[2][0])
+    rendered = tok.apply_chat_template(dialogue, tokenize=False)
+    assert tok.decode(ids) == rendered.removesuffix("\n")  # the whole dialogue, as the template
+    assert tok.convert_ids_to_tokens(ids[n_prompt:]) == ["3", "<end_of_turn>"]
+
+
+@pytest.mark.parametrize(
+    "row,message",
+    [
+        ({"messages": "hi"}, r"d.jsonl:1: field 'messages': expected a list of messages"),
+        ({"messages": []}, r"d.jsonl:1: field 'messages' is an empty conversation"),
+        ({"messages": [user("1+1="), {"role": "assistant"}]}, r"'messages', message 1: exp"),
+        ({"messages": [user("1+1=")]}, r"d.jsonl:1: field 'messages' ends with a 'user' turn"),
+        ({"messages": [assistant("2")]}, r"'messages', message 0: an assistant turn that ans"),
+        (
+            {"messages": [user("1+1="), assistant("2"), assistant("2")]},
+            r"d.jsonl:1: field 'messages', message 2: an assistant turn that answers no other",
+        ),
+        (
+            {"messages": [user("1+1="), assistant("2")], "response": "2"},
+            r"d.jsonl:1: 'messages' beside 'prompt' or 'response'; give one",
+        ),
+        ({"prompt": "1+1="}, r"d.jsonl:1: expected a string field 'response'"),
+        (["1+1="], r"d.jsonl:1: expected a string field 'prompt'"),
+    ],
+)
+def test_a_malformed_messages_row_is_one_line(tmp_path, row, message):
+    (tmp_path / "d.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(SystemExit, match=message):
+        common.load_examples(str(tmp_path / "d.jsonl"))
 
 
 def test_a_conversation_reaches_a_reward_function_as_a_copy(tmp_path, monkeypatch):
