@@ -735,10 +735,21 @@ def load_jsonl(path, fields):
     `file:line` for the errors found later (a blank line is skipped, so a row's index is not its
     line); errors found here name file and line too. Collective: every rank reads the file, and
     they compare what they read (`read_on_every_rank`)."""
-    return read_on_every_rank(path, functools.partial(_load_jsonl, path, fields))
+    return read_rows(path, functools.partial(check_fields, fields))
 
 
-def _load_jsonl(path, fields):
+def read_rows(path, check_row):
+    """load_jsonl's rows, each checked by check_row(where, row) as it is read (so the first bad
+    line is the one named), which raises the one-line error."""
+    return read_on_every_rank(path, functools.partial(_load_jsonl, path, check_row))
+
+
+def check_fields(fields, where, row):
+    for field in fields:
+        check_field(where, row, field)
+
+
+def _load_jsonl(path, check_row):
     """(load_jsonl's rows, sha256 of the lines read)."""
     if os.path.exists(path) and not os.path.isfile(path):
         raise SystemExit(f"error: {path}: not a file (a folder or a device); expected JSONL")
@@ -746,7 +757,7 @@ def _load_jsonl(path, fields):
         raise SystemExit(f"error: {path}: no such file")
     digest = hashlib.sha256()
     try:
-        rows = _read_jsonl(path, fields, digest)
+        rows = _read_jsonl(path, check_row, digest)
     except OSError as e:  # a disk or network read error carries no file name of its own
         raise SystemExit(f"error: {path}: {e.strerror or e}") from None
     return rows, digest.hexdigest()
@@ -767,13 +778,13 @@ def _lines(f):
         yield raw
 
 
-def _read_jsonl(path, fields, digest):
+def _read_jsonl(path, check_row, digest):
     """load_jsonl's reading and checking; `digest` (a hashlib object) takes every line read."""
     with open(path, "rb") as f:
-        return _check_rows(path, fields, _lines(f), digest)
+        return _check_rows(path, check_row, _lines(f), digest)
 
 
-def _check_rows(path, fields, lines, digest):
+def _check_rows(path, check_row, lines, digest):
     """_read_jsonl's rows, checked line by line: [(where, row)]."""
     rows = []
     for n, raw in enumerate(lines, 1):
@@ -798,8 +809,7 @@ def _check_rows(path, fields, lines, digest):
             raise SystemExit(f"error: {path}:{n}: not valid JSON ({e})")
         except RecursionError:  # `[[[[...` 100,000 deep: the parser's recursion, not a row
             raise SystemExit(f"error: {path}:{n}: not valid JSON (nested too deeply)")
-        for field in fields:
-            check_field(f"{path}:{n}", row, field)
+        check_row(f"{path}:{n}", row)
         rows.append((f"{path}:{n}", row))
     if not rows:
         raise SystemExit(f"error: {path}: no examples")
@@ -829,8 +839,8 @@ def field_hint(row, field):
         row = {}  # (a JSON array or value as a row: only the field's own hint applies)
     if field == "prompt" and "messages" in row:  # TRL's SFT rows, {"messages": [...]}
         return (
-            ": a 'messages' row is SFT's data (train_sft.py, and held-out --eval_data); here "
-            "the conversation goes in 'prompt'"
+            ": 'messages' rows are read by train_sft.py (and train_dpo.py's --eval_data) "
+            "only; here the conversation goes in 'prompt'"
         )
     if field == "prompt":
         return ' (or a conversation: a list of {"role", "content"} messages)'
@@ -894,29 +904,32 @@ def check_conversation(where, messages):
         )
 
 
-def load_examples(path):
+def load_examples(path, tok, max_len):
     """[(where, {"prompt", "response"})] of a JSONL file of SFT examples (SFT's --data and
     --eval_data, DPO's --eval_data): a {"prompt", "response"} row as it is, a {"messages": [...]}
     row (TRL's conversational SFT rows) as one example per assistant turn (`turn_examples`)."""
     examples = []
-    for where, row in load_jsonl(path, ()):
-        if isinstance(row, dict) and "messages" in row:
-            examples += turn_examples(where, row)
+    for where, row in read_rows(path, check_sft_row):
+        if "messages" in row:
+            examples += turn_examples(where, row["messages"], tok, max_len)
         else:
-            check_field(where, row, "prompt")
-            check_field(where, row, "response")
             examples.append((where, row))
-    return examples  # never empty: load_jsonl refuses a file of no rows
+    return examples
 
 
-def turn_examples(where, row):
-    """A {"messages": [...]} row as one example per assistant turn: the turns before it as the
-    prompt (a conversation, which the chat template renders with the generation prompt) and its
-    content as the response. Each turn is learned in the context it is generated in, and the loss
-    is on assistant turns only, as TRL's `assistant_only_loss`; an earlier turn's context is
-    encoded again for each later turn (the price of needing no {% generation %} markers in the
-    template). The conversation ends with an assistant turn (turns after the last would teach
-    nothing), and each assistant turn answers another role's."""
+def check_sft_row(where, row):
+    """An SFT example's row: {"prompt", "response"}, or a dialogue (`check_dialogue`)."""
+    if isinstance(row, dict) and "messages" in row:
+        check_dialogue(where, row)
+    else:
+        check_fields(("prompt", "response"), where, row)
+
+
+def check_dialogue(where, row):
+    """A {"messages": [...]} row: messages (`check_messages`) that end with an assistant turn
+    (turns after the last would teach nothing), each assistant turn answering another role's,
+    and no assistant turn with keys beside its content (a tool call, a reasoning text): SFT
+    learns a turn's content, so those would go untrained, silently."""
     messages = row["messages"]
     if "prompt" in row or "response" in row:
         raise SystemExit(f"error: {where}: 'messages' beside 'prompt' or 'response'; give one")
@@ -928,7 +941,6 @@ def turn_examples(where, row):
             f"error: {where}: field 'messages' ends with a {messages[-1]['role']!r} turn; SFT "
             "learns the assistant's turns, and the turns after the last one teach nothing"
         )
-    examples = []
     for i, message in enumerate(messages):
         if not is_assistant(message):
             continue
@@ -937,8 +949,38 @@ def turn_examples(where, row):
                 f"error: {where}: field 'messages', message {i}: an assistant turn that answers "
                 "no other turn (the first message, or one after another assistant turn)"
             )
-        example = {"prompt": messages[:i], "response": message["content"]}
-        examples.append((f"{where} (message {i})", example))
+        others = sorted(set(message) - {"role", "content"})
+        if others:
+            raise SystemExit(
+                f"error: {where}: field 'messages', message {i}: an assistant turn with "
+                f"{others}: SFT learns a turn's 'content' only, and these would go untrained"
+            )
+
+
+def turn_examples(where, messages, tok, max_len):
+    """A checked dialogue (`check_dialogue`) as one example per assistant turn: the turns
+    before it as the prompt (a conversation, which the chat template renders with the generation
+    prompt) and its content as the response. Each turn is learned in the context it is generated
+    in, on its own tokens only (like TRL's `assistant_only_loss`, with no {% generation %}
+    markers needed in the template); a dialogue's early turns are encoded again for each later
+    one, so its cost grows with the square of its turns. The last turn's example holds all the
+    others, and one too long for the context is refused before the prefixes are made (each a
+    list as long as the turns before it: 8,000 short exchanges took 0.8 GB before this check)."""
+    last = len(messages) - 1
+    prompt = messages[:last]
+    check_fits(tok, prompt_content(tok, prompt, where) + messages[last]["content"], max_len, where)
+    length = len(encode_prompt(tok, prompt, where))
+    length += len(encode_response(tok, prompt, messages[last]["content"])) + 1  # and its end
+    if length > max_len:
+        raise SystemExit(
+            f"error: {where}: the dialogue is {length} tokens to its last turn's end, longer "
+            f"than the model's context ({max_len})"
+        )
+    examples = []
+    for i, message in enumerate(messages):
+        if is_assistant(message):
+            example = {"prompt": messages[:i], "response": message["content"]}
+            examples.append((f"{where} (message {i})", example))
     return examples
 
 

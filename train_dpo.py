@@ -49,8 +49,9 @@ class Args(common.RunArgs):
     string or a conversation (a list of {"role", "content"} messages) (default: the embedded
     task's pairs)"""
     eval_data: str = ""
-    """held-out JSONL of {"prompt": ..., "response": ...} for greedy exact-match accuracy (default:
-    the embedded task's held-out split; none with --data)"""
+    """held-out JSONL of {"prompt": ..., "response": ...} (or {"messages": [...]}, an example per
+    assistant turn) for greedy exact-match accuracy (default: the embedded task's held-out split;
+    none with --data)"""
     out_dir: str = "runs/dpo"
     """checkpoints/, metrics.jsonl and the final hf/ export go here"""
     max_steps: int = 200
@@ -194,7 +195,7 @@ def load_data(args, tok, max_len):
     else:
         train = common.numbered("embedded task", task.make_pairs("train"))
     if args.eval_data:
-        held_out = common.load_examples(args.eval_data)
+        held_out = common.load_examples(args.eval_data, tok, max_len)
     elif args.data:
         held_out = []  # a user's data has no held-out split unless --eval_data gives one
     else:

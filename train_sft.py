@@ -145,11 +145,11 @@ def load_data(args, tok, max_len):
     rows come as [(where, row)] (`common.load_examples`: a {"messages"} row is one example per
     assistant turn), so an error names a row's file and line."""
     if args.data:
-        train = common.load_examples(args.data)
+        train = common.load_examples(args.data, tok, max_len)
     else:
         train = common.numbered("embedded task", task.make_split("train"))
     if args.eval_data:
-        held_out = common.load_examples(args.eval_data)
+        held_out = common.load_examples(args.eval_data, tok, max_len)
     elif args.data:
         held_out = []  # a user's data has no held-out split unless --eval_data gives one
     else:

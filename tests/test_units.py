@@ -1,5 +1,6 @@
 """Tier 1: small pieces checked against hand-computed values, in-process (no torchrun)."""
 
+import hashlib
 import json
 import math
 import os
@@ -140,7 +141,7 @@ def test_encode_appends_eos_and_rejects_overlong():
         ('{"prompt": [], "response": "2"}\n', r"data.jsonl:1: field 'prompt' is an empty conv"),
         (
             '{"messages": [{"role": "user", "content": "1+1="}]}\n',
-            r"data.jsonl:1: expected a string field 'prompt': a 'messages' row is SFT's data",
+            r"data.jsonl:1: expected a string field 'prompt': 'messages' rows are read by",
         ),
         (
             '{"prompt": ["1+1="], "response": "2"}\n',
@@ -253,7 +254,8 @@ def test_a_messages_row_is_an_example_per_assistant_turn(tmp_path):
     data = tmp_path / "data.jsonl"
     rows = [{"prompt": "2+2=", "response": "4"}, {"messages": dialogue}]
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    examples = common.load_examples(str(data))
+    tok = gemma_style_tokenizer()
+    examples = common.load_examples(str(data), tok, 128)
     assert [where.removeprefix(str(data)) for where, _ in examples] == [
         ":1",
         ":2 (message 2)",
@@ -264,7 +266,6 @@ def test_a_messages_row_is_an_example_per_assistant_turn(tmp_path):
         {"prompt": dialogue[:2], "response": "2"},
         {"prompt": dialogue[:4], "response": "3"},
     ]
-    tok = gemma_style_tokenizer()
     ids, n_prompt = train_sft.encode(tok, examples[2][1], 128, examples[2][0])
     rendered = tok.apply_chat_template(dialogue, tokenize=False)
     assert tok.decode(ids) == rendered.removesuffix("\n")  # the whole dialogue, as the template
@@ -289,12 +290,37 @@ def test_a_messages_row_is_an_example_per_assistant_turn(tmp_path):
         ),
         ({"prompt": "1+1="}, r"d.jsonl:1: expected a string field 'response'"),
         (["1+1="], r"d.jsonl:1: expected a string field 'prompt'"),
+        (
+            {
+                "messages": [
+                    user("1+1="),
+                    {**assistant(""), "tool_calls": []},
+                    user("."),
+                    assistant("2"),
+                ]
+            },
+            r"d.jsonl:1: field 'messages', message 1: an assistant turn with \['tool_calls'\]",
+        ),
+        # a dialogue longer than the context: refused before its 8,000 prompts are made
+        ({"messages": [user("1"), assistant("2")] * 4000}, r"d.jsonl:1: \d+ characters, more"),
+        (
+            {"messages": [user("1"), assistant("2")] * 9},
+            r"d.jsonl:1: the dialogue is \d+ tokens to its",
+        ),
     ],
 )
 def test_a_malformed_messages_row_is_one_line(tmp_path, row, message):
     (tmp_path / "d.jsonl").write_text(json.dumps(row) + "\n")
     with pytest.raises(SystemExit, match=message):
-        common.load_examples(str(tmp_path / "d.jsonl"))
+        common.load_examples(str(tmp_path / "d.jsonl"), gemma_style_tokenizer(), 128)
+
+
+def test_a_bad_row_is_named_before_a_later_one():
+    """Rows are checked as they are read: the first bad line is the one named (the SFT rows'
+    check once ran after the whole file was parsed, naming a later malformed line first)."""
+    lines = [b'{"prompt": 1, "response": "2"}\n', b"{oops\n"]
+    with pytest.raises(SystemExit, match=r"d.jsonl:1: expected a string field 'prompt'"):
+        common._check_rows("d.jsonl", common.check_sft_row, iter(lines), hashlib.sha256())
 
 
 def test_a_conversation_reaches_a_reward_function_as_a_copy(tmp_path, monkeypatch):
