@@ -745,6 +745,7 @@ def read_rows(path, check_row):
 
 
 def check_fields(fields, where, row):
+    """load_jsonl's check of a row: each of `fields` is text (`check_field`)."""
     for field in fields:
         check_field(where, row, field)
 
@@ -867,6 +868,7 @@ ASSISTANT_ROLES = ("assistant", "model")
 
 
 def is_assistant(message):
+    """Whether a checked message (`check_messages`) is the assistant's turn."""
     return message["role"].casefold() in ASSISTANT_ROLES
 
 
