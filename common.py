@@ -826,6 +826,9 @@ def check_field(where, row, field):
     if field == "prompt" and isinstance(value, list):
         check_conversation(where, value)
         return
+    if field in RESPONSE_FIELDS and isinstance(value, list):
+        value = assistant_content(where, value, field)
+        row[field] = value  # read as text by every stage from here on
     if not isinstance(value, str):
         raise SystemExit(
             f"error: {where}: expected a string field {field!r}{field_hint(row, field)}"
@@ -847,9 +850,27 @@ def field_hint(row, field):
         return ' (or a conversation: a list of {"role", "content"} messages)'
     if field == "response" and "completion" in row:  # TRL's prompt-completion rows
         return ": a 'completion' is not read; give the response's text as 'response'"
-    if isinstance(row.get(field), list):  # TRL's conversational preference rows
-        return " (the assistant turn's content, not a list of messages)"
     return ""
+
+
+# The fields that hold a response: text, or TRL's conversational form of it (`assistant_content`)
+RESPONSE_FIELDS = ("response", "chosen", "rejected")
+
+
+def assistant_content(where, messages, field):
+    """A response given as TRL's conversational rows give it, [{"role": "assistant", "content":
+    "..."}] (its preference rows' "chosen" and "rejected"): the content of that one assistant
+    turn. Anything more (several turns, another role, a tool call) is refused in one line: a
+    response here is the text of one assistant turn."""
+    check_messages(where, messages, field)
+    message = messages[0]
+    if len(messages) != 1 or not is_assistant(message) or set(message) != {"role", "content"}:
+        raise SystemExit(
+            f"error: {where}: field {field!r}: a response given as messages is one assistant "
+            '{"role": "assistant", "content": ...} and nothing else; got '
+            f"{len(messages)} message(s), the first {sorted(message)} of role {message['role']!r}"
+        )
+    return message["content"]
 
 
 def check_text(where, text, what):

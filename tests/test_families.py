@@ -427,7 +427,8 @@ def write_jsonl(path, rows):
 
 def test_conversations_as_prompts_through_sft_dpo_and_ppo(tmp_path, qwen2_sft):
     """Prompts given as conversations (a system turn, earlier turns) train through SFT (its
-    held-out evaluation too, and {"messages"} rows beside them), DPO and PPO on 2 ranks: each
+    held-out evaluation too, and {"messages"} rows beside them), DPO (with TRL's conversational
+    preference rows beside plain ones) and PPO on 2 ranks: each
     renders them with the ChatML template; PPO's reward function gets the conversation itself
     (tests.learnable refuses anything else) and samples.jsonl records it."""
     train = conversations("train", 64)
@@ -441,6 +442,8 @@ def test_conversations_as_prompts_through_sft_dpo_and_ppo(tmp_path, qwen2_sft):
     run("train_sft.py", *args, *short)
     assert [row["step"] for row in metrics(out) if "eval/accuracy" in row] == [2]
     pairs = [{**row, "chosen": row["response"], "rejected": row["response"] + "1"} for row in train]
+    for pair in pairs[::2]:  # TRL's conversational preference rows: the answer as a turn
+        pair["chosen"] = [{"role": "assistant", "content": pair["chosen"]}]
     data = write_jsonl(tmp_path / "pairs.jsonl", pairs)
     out = str(tmp_path / "dpo")
     args = ("--model", qwen2_sft, "--out_dir", out, "--data", data, "--eval_data", eval_data)

@@ -162,7 +162,7 @@ def test_encode_appends_eos_and_rejects_overlong():
         ),
         (
             '{"prompt": [{"role": "user", "content": "1+1="}], "response": ["2"]}\n',
-            r"data.jsonl:1: expected a string field 'response' \(the assistant turn's content",
+            r"data.jsonl:1: field 'response', message 0: expected a string 'role'",
         ),
         (
             '{"prompt": "1+1=", "completion": "2"}\n',
@@ -313,6 +313,31 @@ def test_a_malformed_messages_row_is_one_line(tmp_path, row, message):
     (tmp_path / "d.jsonl").write_text(json.dumps(row) + "\n")
     with pytest.raises(SystemExit, match=message):
         common.load_examples(str(tmp_path / "d.jsonl"), gemma_style_tokenizer(), 128)
+
+
+def test_a_response_as_one_assistant_message_is_its_content(tmp_path):
+    """TRL's conversational preference rows give "chosen" and "rejected" (and its prompt-
+    completion rows the completion) as [{"role": "assistant", "content": ...}]: read as that
+    turn's content; several turns, another role or a tool call are one line."""
+    rows = [
+        {"prompt": [user("1+2=")], "chosen": [assistant("3")], "rejected": "4"},
+        {"prompt": "1+1=", "chosen": "2", "rejected": [assistant("3")]},
+    ]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    loaded = common.load_jsonl(str(tmp_path / "p.jsonl"), ("prompt", "chosen", "rejected"))
+    assert [(row["chosen"], row["rejected"]) for _, row in loaded] == [("3", "4"), ("2", "3")]
+    (tmp_path / "s.jsonl").write_text(json.dumps({"prompt": "1+1=", "response": [assistant("2")]}))
+    assert common.load_examples(str(tmp_path / "s.jsonl"), None, 64)[0][1]["response"] == "2"
+    for bad, got in (
+        ([assistant("3"), assistant("4")], r"got 2 message\(s\)"),
+        ([user("3")], r"of role 'user'"),
+        ([{**assistant(""), "tool_calls": []}], r"\['content', 'role', 'tool_calls'\]"),
+    ):
+        row = {"prompt": "1+2=", "chosen": bad, "rejected": "4"}
+        (tmp_path / "p.jsonl").write_text(json.dumps(row) + "\n")
+        line = r"p.jsonl:1: field 'chosen': a response given as messages is one assistant .*"
+        with pytest.raises(SystemExit, match=line + got):
+            common.load_jsonl(str(tmp_path / "p.jsonl"), ("prompt", "chosen", "rejected"))
 
 
 def test_a_bad_row_is_named_before_a_later_one():
