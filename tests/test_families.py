@@ -442,8 +442,9 @@ def test_conversations_as_prompts_through_sft_dpo_and_ppo(tmp_path, qwen2_sft):
     run("train_sft.py", *args, *short)
     assert [row["step"] for row in metrics(out) if "eval/accuracy" in row] == [2]
     pairs = [{**row, "chosen": row["response"], "rejected": row["response"] + "1"} for row in train]
-    for pair in pairs[::2]:  # TRL's conversational preference rows: the answer as a turn
-        pair["chosen"] = [{"role": "assistant", "content": pair["chosen"]}]
+    for i, pair in enumerate(pairs):
+        if i % 2 == 0:  # TRL's conversational preference rows: the answer as a turn
+            pair["chosen"] = [{"role": "assistant", "content": pair["chosen"]}]
     data = write_jsonl(tmp_path / "pairs.jsonl", pairs)
     out = str(tmp_path / "dpo")
     args = ("--model", qwen2_sft, "--out_dir", out, "--data", data, "--eval_data", eval_data)
