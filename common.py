@@ -849,7 +849,7 @@ def field_hint(row, field):
     if field == "prompt":
         return ' (or a conversation: a list of {"role", "content"} messages)'
     if field == "response" and "completion" in row:  # TRL's prompt-completion rows
-        return ": a 'completion' is not read; give the response's text as 'response'"
+        return ": a 'completion' is not read; name it 'response' (its text, or one assistant turn)"
     return ""
 
 
