@@ -819,7 +819,9 @@ def _check_rows(path, check_row, lines, digest):
 
 def check_field(where, row, field):
     """A row's `field` is text: a string; a "prompt" may also be a conversation
-    (`check_conversation`). Errors name the row (`where`, file:line) and the field."""
+    (`check_conversation`), and a response field one assistant message, which is replaced in the
+    row by its content (`assistant_content`). Errors name the row (`where`, file:line) and the
+    field."""
     value = None
     if isinstance(row, dict):
         value = row.get(field)
@@ -848,6 +850,8 @@ def field_hint(row, field):
         )
     if field == "prompt":
         return ' (or a conversation: a list of {"role", "content"} messages)'
+    if field in RESPONSE_FIELDS and isinstance(row.get(field), dict):  # a message, not a list
+        return ' (or a list of one message, [{"role": "assistant", "content": ...}])'
     if field == "response" and "completion" in row:  # TRL's prompt-completion rows
         return ": a 'completion' is not read; name it 'response' (its text, or one assistant turn)"
     return ""
@@ -862,6 +866,8 @@ def assistant_content(where, messages, field):
     "..."}] (its preference rows' "chosen" and "rejected"): the content of that one assistant
     turn. Anything more (several turns, another role, a tool call) is refused in one line: a
     response here is the text of one assistant turn."""
+    if not messages:
+        raise SystemExit(f"error: {where}: field {field!r} is an empty list of messages")
     check_messages(where, messages, field)
     message = messages[0]
     if len(messages) != 1 or not is_assistant(message) or set(message) != {"role", "content"}:

@@ -338,6 +338,13 @@ def test_a_response_as_one_assistant_message_is_its_content(tmp_path):
         line = r"p.jsonl:1: field 'chosen': a response given as messages is one assistant .*"
         with pytest.raises(SystemExit, match=line + got):
             common.load_jsonl(str(tmp_path / "p.jsonl"), ("prompt", "chosen", "rejected"))
+    for bad, line in (
+        ([], r"p.jsonl:1: field 'chosen' is an empty list of messages"),
+        (assistant("3"), r"p.jsonl:1: expected a string field 'chosen' \(or a list of one mes"),
+    ):
+        (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "1", "chosen": bad}) + "\n")
+        with pytest.raises(SystemExit, match=line):
+            common.load_jsonl(str(tmp_path / "p.jsonl"), ("prompt", "chosen", "rejected"))
 
 
 def test_a_bad_row_is_named_before_a_later_one():
