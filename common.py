@@ -933,6 +933,43 @@ def check_conversation(where, messages):
         )
 
 
+def load_pairs(path):
+    """[(where, {"prompt", "chosen", "rejected"})] of a JSONL file of preference pairs (the
+    reward model's and DPO's data): rows of those fields, or of TRL's implicit-prompt form
+    (`split_implicit_prompt`)."""
+    return read_rows(path, check_pair_row)
+
+
+def check_pair_row(where, row):
+    """A preference pair's row: {"prompt", "chosen", "rejected"}, each checked as load_jsonl
+    checks a field; without a "prompt", "chosen" and "rejected" as whole conversations are split
+    first (`split_implicit_prompt`)."""
+    implicit = isinstance(row, dict) and "prompt" not in row
+    if implicit and isinstance(row.get("chosen"), list) and isinstance(row.get("rejected"), list):
+        split_implicit_prompt(where, row)
+    check_fields(("prompt", "chosen", "rejected"), where, row)
+
+
+def split_implicit_prompt(where, row):
+    """TRL's implicit-prompt preference rows (its `maybe_extract_prompt`): "chosen" and
+    "rejected" are whole conversations that share every turn but their last, an assistant
+    turn. The shared turns become the prompt, the last turns the responses (checked then as
+    any: `check_conversation`, `assistant_content`). Conversations that part earlier would make
+    responses of several turns, which a response here is not: one line."""
+    chosen = row["chosen"]
+    rejected = row["rejected"]
+    check_messages(where, chosen, "chosen")
+    check_messages(where, rejected, "rejected")
+    if len(chosen) < 2 or len(chosen) != len(rejected) or chosen[:-1] != rejected[:-1]:
+        raise SystemExit(
+            f"error: {where}: no 'prompt', and 'chosen' and 'rejected' are not conversations "
+            "that share every turn but their last (TRL's implicit prompt); give a 'prompt'"
+        )
+    row["prompt"] = chosen[:-1]
+    row["chosen"] = chosen[-1:]
+    row["rejected"] = rejected[-1:]
+
+
 def load_examples(path, tok, max_len):
     """[(where, {"prompt", "response"})] of a JSONL file of SFT examples (SFT's --data and
     --eval_data, DPO's --eval_data): a {"prompt", "response"} row as it is, a {"messages": [...]}

@@ -191,7 +191,7 @@ def dpo_statistics(pi_chosen, pi_rejected, ref_chosen, ref_rejected, beta):
 def load_data(args, tok, max_len):
     """(training pairs [(chosen, rejected)], held-out {"prompt", "response"} rows)."""
     if args.data:
-        train = common.load_jsonl(args.data, ("prompt", "chosen", "rejected"))
+        train = common.load_pairs(args.data)
     else:
         train = common.numbered("embedded task", task.make_pairs("train"))
     if args.eval_data:

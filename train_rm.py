@@ -141,13 +141,12 @@ def init_reward_head(head, seed):
 # ---- the phases --------------------------------------------------------------------------------
 def load_data(args, tok, max_len):
     """(training pairs, held-out pairs), each [(chosen ids, rejected ids)]."""
-    fields = ("prompt", "chosen", "rejected")
     if args.data:
-        train = common.load_jsonl(args.data, fields)
+        train = common.load_pairs(args.data)
     else:
         train = common.numbered("embedded task", task.make_pairs("train", args.pairs_per_prompt))
     if args.eval_data:
-        held_out = common.load_jsonl(args.eval_data, fields)
+        held_out = common.load_pairs(args.eval_data)
     elif args.data:
         held_out = []  # a user's data has no held-out split unless --eval_data gives one
     else:

@@ -428,7 +428,7 @@ def write_jsonl(path, rows):
 def test_conversations_as_prompts_through_sft_dpo_and_ppo(tmp_path, qwen2_sft):
     """Prompts given as conversations (a system turn, earlier turns) train through SFT (its
     held-out evaluation too, and {"messages"} rows beside them), DPO (with TRL's conversational
-    preference rows beside plain ones) and PPO on 2 ranks: each
+    preference rows, implicit prompts too, beside plain ones) and PPO on 2 ranks: each
     renders them with the ChatML template; PPO's reward function gets the conversation itself
     (tests.learnable refuses anything else) and samples.jsonl records it."""
     train = conversations("train", 64)
@@ -445,6 +445,10 @@ def test_conversations_as_prompts_through_sft_dpo_and_ppo(tmp_path, qwen2_sft):
     for i, pair in enumerate(pairs):
         if i % 2 == 0:  # TRL's conversational preference rows: the answer as a turn
             pair["chosen"] = [{"role": "assistant", "content": pair["chosen"]}]
+        if i % 4 == 1:  # and its implicit-prompt rows: whole conversations, no prompt
+            prompt = pair.pop("prompt")
+            for name in ("chosen", "rejected"):
+                pair[name] = prompt + [{"role": "assistant", "content": pair[name]}]
     data = write_jsonl(tmp_path / "pairs.jsonl", pairs)
     out = str(tmp_path / "dpo")
     args = ("--model", qwen2_sft, "--out_dir", out, "--data", data, "--eval_data", eval_data)

@@ -347,6 +347,45 @@ def test_a_response_as_one_assistant_message_is_its_content(tmp_path):
             common.load_jsonl(str(tmp_path / "p.jsonl"), ("prompt", "chosen", "rejected"))
 
 
+def test_an_implicit_prompt_pair_is_split_as_trl_splits_it(tmp_path):
+    """TRL's implicit-prompt preference rows: "chosen" and "rejected" whole conversations that
+    share every turn but their last, no "prompt"; the shared turns become the prompt. Ones that
+    part earlier (responses of several turns) or hold one turn are one line."""
+    system = {"role": "system", "content": "Add."}
+    rows = [
+        {
+            "chosen": [system, user("1+2="), assistant("3")],
+            "rejected": [system, user("1+2="), assistant("4")],
+        },
+        {"prompt": "1+1=", "chosen": "2", "rejected": "3"},
+    ]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    loaded = [row for _, row in common.load_pairs(str(tmp_path / "p.jsonl"))]
+    assert loaded == [
+        {"prompt": [system, user("1+2=")], "chosen": "3", "rejected": "4"},
+        {"prompt": "1+1=", "chosen": "2", "rejected": "3"},
+    ]
+    for row, line in (
+        (
+            {
+                "chosen": [user("1"), assistant("2"), user("3"), assistant("4")],
+                "rejected": [user("1"), assistant("5"), user("3"), assistant("4")],
+            },
+            r"p.jsonl:1: no 'prompt', and 'chosen' and 'rejected' are not conversations that share",
+        ),
+        ({"chosen": [assistant("3")], "rejected": [assistant("4")]}, r"are not conversations"),
+        (
+            {"chosen": [user("1"), assistant("2")], "rejected": [user("1"), user("2")]},
+            r"p.jsonl:1: field 'rejected': a response given as messages is one assistant",
+        ),
+        ({"chosen": [user("1"), 2], "rejected": []}, r"field 'chosen', message 1: expected a"),
+        ({"chosen": "2", "rejected": "3"}, r"p.jsonl:1: expected a string field 'prompt'"),
+    ):
+        (tmp_path / "p.jsonl").write_text(json.dumps(row) + "\n")
+        with pytest.raises(SystemExit, match=line):
+            common.load_pairs(str(tmp_path / "p.jsonl"))
+
+
 def test_a_bad_row_is_named_before_a_later_one():
     """Rows are checked as they are read: the first bad line is the one named (the SFT rows'
     check once ran after the whole file was parsed, naming a later malformed line first)."""
