@@ -1139,8 +1139,7 @@ def prompt_text(tok, prompt):
     or the prompt as given. Called after encode_prompt of the same prompt, which checked the
     template renders it (and that a conversation has a template)."""
     if tok.chat_template:
-        messages = chat_messages(prompt)
-        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return render_prompt(tok, prompt, "the prompt", tokenize=False)
     return prompt
 
 
