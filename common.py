@@ -852,13 +852,17 @@ def field_hint(row, field):
         return ' (or a conversation: a list of {"role", "content"} messages)'
     if field in RESPONSE_FIELDS and isinstance(row.get(field), dict):  # a message, not a list
         return ' (or a list of one message, [{"role": "assistant", "content": ...}])'
-    if field == "response" and "completion" in row:  # TRL's prompt-completion rows
-        return ": a 'completion' is not read; name it 'response' (its text, or one assistant turn)"
+    if field == "chosen" and "completion" in row:  # TRL's unpaired preference rows (KTO's)
+        return (
+            ": a row of one 'completion' and its 'label' is TRL's unpaired preference row, "
+            "which no stage here reads; a pair gives both 'chosen' and 'rejected'"
+        )
     return ""
 
 
-# The fields that hold a response: text, or TRL's conversational form of it (`assistant_content`)
-RESPONSE_FIELDS = ("response", "chosen", "rejected")
+# The fields that hold a response: text, or TRL's conversational form of it (`assistant_content`);
+# "completion" is TRL's name for SFT's "response" (`read_completion`)
+RESPONSE_FIELDS = ("response", "completion", "chosen", "rejected")
 
 
 def assistant_content(where, messages, field):
@@ -972,8 +976,9 @@ def split_implicit_prompt(where, row):
 
 def load_examples(path, tok, max_len):
     """[(where, {"prompt", "response"})] of a JSONL file of SFT examples (SFT's --data and
-    --eval_data, DPO's --eval_data): a {"prompt", "response"} row as it is, a {"messages": [...]}
-    row (TRL's conversational SFT rows) as one example per assistant turn (`turn_examples`)."""
+    --eval_data, DPO's --eval_data): a {"prompt", "response"} row as it is (or TRL's {"prompt",
+    "completion"}: `read_completion`), a {"messages": [...]} row (TRL's conversational SFT rows)
+    as one example per assistant turn (`turn_examples`)."""
     examples = []
     for where, row in read_rows(path, check_sft_row):
         if "messages" in row:
@@ -984,11 +989,25 @@ def load_examples(path, tok, max_len):
 
 
 def check_sft_row(where, row):
-    """An SFT example's row: {"prompt", "response"}, or a dialogue (`check_dialogue`)."""
+    """An SFT example's row: {"prompt", "response"}, TRL's {"prompt", "completion"}
+    (`read_completion`), or a dialogue (`check_dialogue`)."""
     if isinstance(row, dict) and "messages" in row:
         check_dialogue(where, row)
+    elif isinstance(row, dict) and "completion" in row:
+        read_completion(where, row)
     else:
         check_fields(("prompt", "response"), where, row)
+
+
+def read_completion(where, row):
+    """TRL's prompt-completion rows name the response "completion" (its text, or one assistant
+    message in the conversational form): checked under that name, so an error names the field
+    the file has, then read as the response. Both names in one row would leave one of them
+    untrained: one line."""
+    if "response" in row:
+        raise SystemExit(f"error: {where}: 'completion' beside 'response'; give one")
+    check_fields(("prompt", "completion"), where, row)
+    row["response"] = row.pop("completion")
 
 
 def check_dialogue(where, row):
@@ -997,8 +1016,10 @@ def check_dialogue(where, row):
     and no assistant turn with keys beside its content (a tool call, a reasoning text): SFT
     learns a turn's content, so those would go untrained, silently."""
     messages = row["messages"]
-    if "prompt" in row or "response" in row:
-        raise SystemExit(f"error: {where}: 'messages' beside 'prompt' or 'response'; give one")
+    if "prompt" in row or "response" in row or "completion" in row:
+        raise SystemExit(
+            f"error: {where}: 'messages' beside 'prompt', 'response' or 'completion'; give one"
+        )
     if not isinstance(messages, list):
         raise SystemExit(f"error: {where}: field 'messages': expected a list of messages")
     check_messages(where, messages, "messages")

@@ -35,9 +35,10 @@ class Args(common.RunArgs):
     model: str = task.TINY_MODEL
     """HF model folder or hub id (default: the embedded tiny Llama, built on first use)"""
     data: str = ""
-    """training JSONL, one {"prompt": ..., "response": ...} per line, the prompt a string or a
-    conversation (a list of {"role", "content"} messages); or {"messages": [...]}, an example per
-    assistant turn (default: the embedded task)"""
+    """training JSONL, one {"prompt": ..., "response": ...} per line ("completion" for
+    "response", as TRL names it, is read too), the prompt a string or a conversation (a list of
+    {"role", "content"} messages); or {"messages": [...]}, an example per assistant turn
+    (default: the embedded task)"""
     eval_data: str = ""
     """held-out JSONL in the same format (default: the embedded task's held-out split; none with
     --data)"""

@@ -165,10 +165,6 @@ def test_encode_appends_eos_and_rejects_overlong():
             r"data.jsonl:1: field 'response', message 0: expected a string 'role'",
         ),
         (
-            '{"prompt": "1+1=", "completion": "2"}\n',
-            r"data.jsonl:1: expected a string field 'response': a 'completion' is not read",
-        ),
-        (
             '{"prompt": [{"role": "user", "content": "1+1="}, {"role": "Model", '
             '"content": "2"}], "response": "2"}\n',
             r"data.jsonl:1: field 'prompt' ends with an assistant turn \(role 'Model'\)",
@@ -286,8 +282,18 @@ def test_a_messages_row_is_an_example_per_assistant_turn(tmp_path):
         ),
         (
             {"messages": [user("1+1="), assistant("2")], "response": "2"},
-            r"d.jsonl:1: 'messages' beside 'prompt' or 'response'; give one",
+            r"d.jsonl:1: 'messages' beside 'prompt', 'response' or 'completion'; give one",
         ),
+        (
+            {"prompt": "1+1=", "completion": "2", "response": "2"},
+            r"d.jsonl:1: 'completion' beside 'response'; give one",
+        ),
+        ({"prompt": "1+1=", "completion": 2}, r"d.jsonl:1: expected a string field 'completion'"),
+        (
+            {"prompt": "1+1=", "completion": [user("2")]},
+            r"d.jsonl:1: field 'completion': a response given as messages is one assistant",
+        ),
+        ({"completion": "2"}, r"d.jsonl:1: expected a string field 'prompt'"),
         ({"prompt": "1+1="}, r"d.jsonl:1: expected a string field 'response'"),
         (["1+1="], r"d.jsonl:1: expected a string field 'prompt'"),
         (
@@ -338,6 +344,10 @@ def test_a_response_as_one_assistant_message_is_its_content(tmp_path):
         line = r"p.jsonl:1: field 'chosen': a response given as messages is one assistant .*"
         with pytest.raises(SystemExit, match=line + got):
             common.load_jsonl(str(tmp_path / "p.jsonl"), ("prompt", "chosen", "rejected"))
+    kto = {"prompt": "1+1=", "completion": "2", "label": True}  # TRL's unpaired preference row
+    (tmp_path / "k.jsonl").write_text(json.dumps(kto) + "\n")
+    with pytest.raises(SystemExit, match=r"'chosen': a row of one 'completion' and its 'label'"):
+        common.load_pairs(str(tmp_path / "k.jsonl"))
     for bad, line in (
         ([], r"p.jsonl:1: field 'chosen' is an empty list of messages"),
         (assistant("3"), r"p.jsonl:1: expected a string field 'chosen' \(or a list of one mes"),
@@ -345,6 +355,43 @@ def test_a_response_as_one_assistant_message_is_its_content(tmp_path):
         (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "1", "chosen": bad}) + "\n")
         with pytest.raises(SystemExit, match=line):
             common.load_jsonl(str(tmp_path / "p.jsonl"), ("prompt", "chosen", "rejected"))
+
+
+def test_a_prompt_completion_row_is_an_sft_example(tmp_path):
+    """TRL's prompt-completion rows, {"prompt", "completion"} (the completion its text or one
+    assistant message), are SFT examples as {"prompt", "response"} rows are, and may share a
+    file with them and with dialogues."""
+    rows = [
+        {"prompt": "1+1=", "completion": "2"},
+        {"prompt": [user("1+2=")], "completion": [assistant("3")]},
+        {"prompt": "2+2=", "response": "4"},
+        {"messages": [user("3+3="), assistant("6")]},
+    ]
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    loaded = common.load_examples(str(tmp_path / "s.jsonl"), gemma_style_tokenizer(), 128)
+    assert [row for _, row in loaded] == [
+        {"prompt": "1+1=", "response": "2"},
+        {"prompt": [user("1+2=")], "response": "3"},
+        {"prompt": "2+2=", "response": "4"},
+        {"prompt": [user("3+3=")], "response": "6"},
+    ]
+
+
+def test_the_readmes_data_rows_load_as_it_says(tmp_path):
+    """The README's rows by example ("Running") load: the preference row as a pair, the others
+    as SFT examples, one per assistant turn."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    block = readme.split("The data are JSONL", 1)[1].split("```json\n", 1)[1].split("```", 1)[0]
+    lines = block.splitlines()
+    pairs = [line for line in lines if '"chosen"' in line]
+    examples = [line for line in lines if '"chosen"' not in line]
+    assert len(pairs) == 1 and len(examples) == 4
+    (tmp_path / "p.jsonl").write_text("\n".join(pairs) + "\n")
+    assert len(common.load_pairs(str(tmp_path / "p.jsonl"))) == 1
+    (tmp_path / "s.jsonl").write_text("\n".join(examples) + "\n")
+    loaded = common.load_examples(str(tmp_path / "s.jsonl"), gemma_style_tokenizer(), 256)
+    assert [row["response"] for _, row in loaded] == ["4", "4", "4", "4", "6"]
 
 
 def test_an_implicit_prompt_pair_is_split_as_trl_splits_it(tmp_path):
