@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib
+import inspect
 import json
 import math
 import numbers
@@ -108,7 +109,9 @@ class Args(common.RunArgs):
     """whiten the per-token rewards before GAE, their mean kept: (r - mean) / std + mean, as
     TRL's `whiten(shift_mean=False)` [N policy #9]"""
     reward_fn: str = "task:reward_fn"
-    """module:function(prompt, response) -> float, the rule reward (used unless --reward_model)"""
+    """module:function(prompt, response) -> float, the rule reward (used unless --reward_model);
+    parameters after those two get the data row's fields of their names (`answer`, say), or all
+    of them with **kwargs"""
     reward_model: str = ""
     """HF AutoModelForSequenceClassification folder (train_rm.py's export); its score at the last
     real token is the reward"""
@@ -117,8 +120,9 @@ class Args(common.RunArgs):
     numbers its config.json records (train_rm.py writes them; absent: the raw score), so that a
     --kl_coef means the same for any reward model; false: the raw score"""
     gold_reward_fn: str = ""
-    """with --reward_model: module:function(prompt, response) -> float, a rule logged beside the
-    learned score (objective/gold_score, eval/gold_accuracy), never trained on"""
+    """with --reward_model: module:function(prompt, response) -> float (the row's fields as for
+    --reward_fn), a rule logged beside the learned score (objective/gold_score,
+    eval/gold_accuracy), never trained on"""
     max_new_tokens: int = 8
     """response length limit"""
     temperature: float = 1.0
@@ -615,11 +619,12 @@ def finite_number(value):
 
 
 def load_prompts(rows, tok, max_new_tokens, context, reward_tok=None):
-    """[(prompt token ids, prompt)] of [(where, {"prompt"})] rows, the prompt as the data gives it
-    (a string, or a conversation: `common.check_conversation`), which the reward function and the
-    reward model get; a prompt with no room for a response is an error naming its row, and so is
-    one the reward model's chat template (`reward_tok`, if it has its own) fails on: found now,
-    not at the rollout that samples it."""
+    """[(prompt token ids, row)] of [(where, {"prompt", ...})] rows, each row as the data gives
+    it: its prompt (a string, or a conversation: `common.check_conversation`), which the reward
+    function and the reward model get, and any other fields, which a reward function may take
+    (`rule_parameters`). A prompt with no room for a response is an error naming its row, and so
+    is one the reward model's chat template (`reward_tok`, if it has its own) fails on: found
+    now, not at the rollout that samples it."""
     if max_new_tokens >= context:  # no prompt fits: say so, not that the first prompt is long
         raise SystemExit(
             f"error: --max_new_tokens {max_new_tokens}: the model's context holds {context} "
@@ -639,13 +644,14 @@ def load_prompts(rows, tok, max_new_tokens, context, reward_tok=None):
                 f"error: {where}: prompt of {len(ids)} tokens + --max_new_tokens "
                 f"{max_new_tokens} exceeds the model's context ({context})"
             )
-        items.append((ids, prompt))
+        items.append((ids, row))
     return items
 
 
 def load_data(args, tok, context, reward_tok):
-    """(training prompts, held-out prompts), each [(token ids, prompt as the data gives it)];
-    reward_tok: the reward model's tokenizer, or None."""
+    """(training prompts, held-out prompts), each [(token ids, row as the data gives it)];
+    reward_tok: the reward model's tokenizer, or None. Each row must give the fields the rules in
+    use require (`check_rule_fields`)."""
     if args.data:
         train_rows = common.load_jsonl(args.data, ("prompt",))
     else:
@@ -656,9 +662,12 @@ def load_data(args, tok, context, reward_tok):
         held_out_rows = []  # a user's data has no held-out split unless --eval_data gives one
     else:
         held_out_rows = common.numbered("embedded task", task.make_split("test"))
+    held_out_rows = held_out_rows[: args.eval_samples]
+    for spec, flag in rules_in_use(args):
+        check_rule_fields(spec, flag, train_rows + held_out_rows)
     new = args.max_new_tokens
     train = load_prompts(train_rows, tok, new, context, reward_tok)
-    held_out = load_prompts(held_out_rows[: args.eval_samples], tok, new, context, reward_tok)
+    held_out = load_prompts(held_out_rows, tok, new, context, reward_tok)
     if len(train) < args.rollout_batch_size:
         raise SystemExit(
             f"error: {args.data or 'embedded task'}: {len(train)} prompts, fewer than "
@@ -769,16 +778,97 @@ def load_rule(spec, flag):
     return fn
 
 
-def rule_scores(spec, prompts, responses, flag="--reward_fn"):
-    """Scores [B] from `flag` (--reward_fn or --gold_reward_fn) module:function(prompt, response)
-    -> float; a failure of the user's function is one clear line."""
+# A row's fields a rule never gets by name: its first two arguments are the prompt and the sampled
+# response, and a "response" field (SFT data's, the embedded task's right answer) would stand
+# for the second. A reference answer goes in a field of another name ("answer", "solution").
+NOT_RULE_FIELDS = ("prompt", "response")
+
+
+class RuleParameters(typing.NamedTuple):
+    names: tuple  # the parameters after (prompt, response) that a keyword can give
+    required: tuple  # those of them without a default: every row must have the field
+    every: bool  # it takes **kwargs: every field of the row beside NOT_RULE_FIELDS
+    first: tuple  # the names of its first two parameters, never given as keywords
+
+
+def rule_parameters(fn):
+    """What a rule takes beside (prompt, response), read from its signature: a data row's other
+    fields go to it as keywords, those it names (or all, if it takes **kwargs), as TRL gives a
+    dataset's other columns to its reward functions. So a verifiable reward reads its reference,
+    `def reward(prompt, response, answer)` with rows {"prompt": ..., "answer": ...}; a rule of
+    two parameters gets nothing more. A callable with no signature to read (a builtin) gets
+    (prompt, response)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return RuleParameters((), (), False, ())
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    first = [p for p in params if p.kind in positional][:2]
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    named = [p for p in params if p.kind in by_name and p not in first]
+    return RuleParameters(
+        names=tuple(p.name for p in named),
+        required=tuple(p.name for p in named if p.default is inspect.Parameter.empty),
+        every=any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params),
+        first=tuple(p.name for p in first),
+    )
+
+
+def rule_fields(params, row):
+    """The keywords a rule (`rule_parameters`) gets from a data row, copied: a rule that changes
+    a list it is given would change the run's rows from then on."""
+    skip = NOT_RULE_FIELDS + params.first
+    if params.every:
+        fields = {key: value for key, value in row.items() if key not in skip}
+    else:
+        fields = {key: row[key] for key in params.names if key in row and key not in skip}
+    return copy.deepcopy(fields)
+
+
+def rules_in_use(args):
+    """[(spec, flag)] of the rules this run calls: --reward_fn unless a reward model scores, and
+    --gold_reward_fn."""
+    rules = []
+    if not args.reward_model:
+        rules.append((args.reward_fn, "--reward_fn"))
+    if args.gold_reward_fn:
+        rules.append((args.gold_reward_fn, "--gold_reward_fn"))
+    return rules
+
+
+def check_rule_fields(spec, flag, rows):
+    """Every row gives each field the rule requires (`rule_parameters`): a missing one is one
+    line naming the row as the data loads, not a TypeError at the rollout that samples it."""
+    params = rule_parameters(load_rule(spec, flag))
+    for name in params.required:
+        if name in NOT_RULE_FIELDS:
+            raise SystemExit(
+                f"error: {flag} {spec}: a parameter {name!r} after (prompt, response), which "
+                f"no data field gives (a row's {name!r} is never passed by name: give the "
+                "field another name, or the parameter a default)"
+            )
+    for where, row in rows:
+        missing = [name for name in params.required if name not in row]
+        if missing:
+            raise SystemExit(
+                f"error: {where}: {flag} {spec} takes {missing[0]!r}, a field this row lacks"
+            )
+
+
+def rule_scores(spec, rows, responses, flag="--reward_fn"):
+    """Scores [B] from `flag` (--reward_fn or --gold_reward_fn) module:function(prompt, response,
+    **fields) -> float, for data rows [B] and decoded responses [B]; the fields are the row's
+    others that the function takes (`rule_parameters`). A failure of the user's function is one
+    clear line."""
     fn = load_rule(spec, flag)
+    params = rule_parameters(fn)
     scores = []
-    for prompt, response in zip(prompts, responses):
+    for row, response in zip(rows, responses):
+        prompt = row["prompt"]
         try:
             # a copy: a conversation is a list, and a function that appends the response to it
             # (a common way to build the dialogue) would change the run's prompts from then on
-            s = fn(copy.deepcopy(prompt), response)
+            s = fn(copy.deepcopy(prompt), response, **rule_fields(params, row))
         # a user's function: any failure becomes one clear line, a sys.exit() in it too (it
         # ended the run with exit 0, nothing saved)
         except (Exception, SystemExit) as e:
@@ -796,13 +886,15 @@ def rule_scores(spec, prompts, responses, flag="--reward_fn"):
 
 
 @torch.no_grad()
-def score(args, tok, models, data_prompts, responses, finished, device):
-    """(2) Scores [B], before the EOS penalty: the rule reward on the decoded text, or the reward
-    model's score of its own tokenisation of it, normalised with its config's reward_mean and
-    reward_std unless --reward_norm false. Collective with a reward model (a sharded forward)."""
+def score(args, tok, models, rows, responses, finished, device):
+    """(2) Scores [B], before the EOS penalty: the rule reward on the decoded text (with the data
+    row's fields it takes), or the reward model's score of its own tokenisation of it, normalised
+    with its config's reward_mean and reward_std unless --reward_norm false. Collective with a
+    reward model (a sharded forward). rows [B]: each sample's data row."""
     texts = tok.batch_decode(responses, skip_special_tokens=True)
     if models.reward_model is None:
-        return rule_scores(args.reward_fn, data_prompts, texts)
+        return rule_scores(args.reward_fn, rows, texts)
+    data_prompts = [row["prompt"] for row in rows]
     reward_tok = models.reward_tokenizer
     sequences = reward_model_inputs(reward_tok, data_prompts, texts, finished)
     check_reward_context(args.reward_model, models.reward_context, sequences, data_prompts)
@@ -827,11 +919,11 @@ def check_finite_scores(scores, line):
         raise SystemExit(f"error: {line}")
 
 
-def gold_scores(args, tok, data_prompts, responses):
+def gold_scores(args, tok, rows, responses):
     """Scores [B] from --gold_reward_fn: the rule a learned reward stands in for, logged beside it
-    and never trained on (the proxy/gold picture of Gao et al. 2022)."""
+    and never trained on (the proxy/gold picture of Gao et al. 2022). rows [B]: the data rows."""
     texts = tok.batch_decode(responses, skip_special_tokens=True)
-    return rule_scores(args.gold_reward_fn, data_prompts, texts, "--gold_reward_fn")
+    return rule_scores(args.gold_reward_fn, rows, texts, "--gold_reward_fn")
 
 
 def reward_model_inputs(reward_tok, data_prompts, response_texts, finished):
@@ -1089,11 +1181,11 @@ def evaluate(args, engine, tok, models, items, device):
     mine, counted = common.eval_share(items)  # equal shares: scoring may be collective
     prompt_ids = [ids for ids, _ in mine]
     gen = engine.generate(prompt_ids, 1, args.max_new_tokens, 0.0, 1.0, [0] * len(mine))
-    data_prompts = [prompt for _, prompt in mine]  # as the data gives them (reward functions)
-    scores = score(args, tok, models, data_prompts, gen.response_ids, gen.finished, device)
+    rows = [row for _, row in mine]  # as the data gives them (reward functions)
+    scores = score(args, tok, models, rows, gen.response_ids, gen.finished, device)
     gold_sum = 0.0
     if args.gold_reward_fn:
-        gold = gold_scores(args, tok, data_prompts, gen.response_ids)
+        gold = gold_scores(args, tok, rows, gen.response_ids)
         gold_sum = gold[:counted].sum().item()
     # every rank scored a share: the means are over all of them
     local = {"score": scores[:counted].sum().item(), "count": counted, "gold": gold_sum}
@@ -1175,7 +1267,7 @@ def write_samples(out_dir, step, prompts, raw_scores, gen, tok, n):
         for i in range(min(4, len(raw_scores))):
             row = {
                 "step": step,
-                "prompt": prompts[i // n][1],
+                "prompt": prompts[i // n][1]["prompt"],
                 "score": raw_scores[i].item(),
                 "response": tok.decode(gen.response_ids[i], skip_special_tokens=True),
             }
@@ -1277,14 +1369,14 @@ def main(args):
         # (1) Rollout: this rank's share of the step's prompts, n samples each.
         gen = generate(args, engine, prompts, step, positions)
         prompt_ids = [ids for ids, _ in prompts for _ in range(n)]  # [B], prompt-major
-        data_prompts = [prompt for _, prompt in prompts for _ in range(n)]
+        rows = [row for _, row in prompts for _ in range(n)]  # [B], each sample's data row
         clock.lap("time/rollout_s")
         # (2) Score; a response cut without EOS is penalised [N policy #5].
-        raw_scores = score(args, tok, models, data_prompts, gen.response_ids, gen.finished, device)
+        raw_scores = score(args, tok, models, rows, gen.response_ids, gen.finished, device)
         scores = eos_penalized(raw_scores, gen.finished, args.missing_eos_penalty)
         gold = None  # the rule beside a learned reward: logged, never trained on
         if args.gold_reward_fn:
-            gold = gold_scores(args, tok, data_prompts, gen.response_ids)
+            gold = gold_scores(args, tok, rows, gen.response_ids)
         clock.lap("time/score_s")  # reward function or model, gold scores
         # (3) Old and reference logprobs, values: in a random order, which the first PPO epoch
         # keeps (its first micro-batch then sees ratio == 1 exactly).

@@ -222,10 +222,10 @@ def test_a_reward_function_that_misbehaves_is_one_line(tmp_path, monkeypatch, sp
         (tmp_path / name).write_text(text)
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(SystemExit) as exit_info:
-        train_ppo.rule_scores(spec, ["1+1="], ["2"])
+        train_ppo.rule_scores(spec, [{"prompt": "1+1="}], ["2"])
     line = exit_info.value.code
     assert line.startswith(f"error: --reward_fn {spec}") and needle in line, line
-    assert train_ppo.rule_scores("numpy_scores:f", ["1+1="], ["2"]).tolist() == [0.5]
+    assert train_ppo.rule_scores("numpy_scores:f", [{"prompt": "1+1="}], ["2"]).tolist() == [0.5]
 
 
 @pytest.mark.parametrize(

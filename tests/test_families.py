@@ -430,7 +430,8 @@ def test_conversations_as_prompts_through_sft_dpo_and_ppo(tmp_path, qwen2_sft):
     held-out evaluation too, and {"messages"} rows beside them), DPO (with TRL's conversational
     preference rows, implicit prompts too, beside plain ones) and PPO on 2 ranks: each
     renders them with the ChatML template; PPO's reward function gets the conversation itself
-    (tests.learnable refuses anything else) and samples.jsonl records it."""
+    and its row's `answer` field (tests.learnable refuses anything else) and samples.jsonl
+    records it."""
     train = conversations("train", 64)
     held_out = conversations("test", 8)
     data = write_jsonl(tmp_path / "sft.jsonl", as_messages(train))
@@ -454,8 +455,11 @@ def test_conversations_as_prompts_through_sft_dpo_and_ppo(tmp_path, qwen2_sft):
     args = ("--model", qwen2_sft, "--out_dir", out, "--data", data, "--eval_data", eval_data)
     run("train_dpo.py", *args, *short)
     assert [row["step"] for row in metrics(out) if "eval/accuracy" in row] == [0, 2]
-    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": r["prompt"]} for r in train])
-    eval_prompts = write_jsonl(tmp_path / "eval_prompts.jsonl", [{"prompt": held_out[0]["prompt"]}])
+    # the rows carry the reference answer beside the prompt, which the reward function takes
+    ppo_rows = [{"prompt": r["prompt"], "answer": r["response"]} for r in train]
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", ppo_rows)
+    eval_row = {"prompt": held_out[0]["prompt"], "answer": held_out[0]["response"]}
+    eval_prompts = write_jsonl(tmp_path / "eval_prompts.jsonl", [eval_row])
     out = str(tmp_path / "ppo")
     args = ppo_args(out, qwen2_sft, "hf") + ("--data", prompts, "--eval_data", eval_prompts)
     run("train_ppo.py", *args, "--reward_fn", "tests.learnable:ones_after_a_conversation")

@@ -215,7 +215,7 @@ def test_a_conversation_as_prompt_is_rendered_by_the_chat_template(tmp_path):
     assert ids[:n_prompt] == prompt_ids
     # PPO keeps the prompt as given (its reward function gets it); the pair stages encode it so
     loaded = train_ppo.load_prompts([(w, {"prompt": r["prompt"]}) for w, r in rows], tok, 4, 128)
-    assert loaded[0] == (prompt_ids, conversation)
+    assert loaded[0] == (prompt_ids, {"prompt": conversation})
     pair = {"prompt": conversation, "chosen": "3", "rejected": "4"}
     (chosen, n_chosen), _ = common.encode_pair(tok, pair, 128, "p.jsonl:1")
     assert chosen == ids and n_chosen == n_prompt
@@ -453,13 +453,65 @@ def test_a_conversation_reaches_a_reward_function_as_a_copy(tmp_path, monkeypatc
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     conversation = [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+2="}]
-    prompts = [conversation, conversation]  # one prompt's two samples, as score gets them
-    assert train_ppo.rule_scores("appends:f", prompts, ["3", "4"]).tolist() == [3.0, 3.0]
+    row = {"prompt": conversation}
+    rows = [row, row]  # one prompt's two samples, as score gets them
+    assert train_ppo.rule_scores("appends:f", rows, ["3", "4"]).tolist() == [3.0, 3.0]
     assert conversation == [
         {"role": "system", "content": "Add."},
         {"role": "user", "content": "1+2="},
     ]
-    assert train_ppo.rule_scores("task:reward_fn", prompts, ["3", "4"]).tolist() == [1.0, 0.0]
+    assert train_ppo.rule_scores("task:reward_fn", rows, ["3", "4"]).tolist() == [1.0, 0.0]
+
+
+REFERENCE_RULES = """
+def exact(prompt, response, answer):
+    return float(response == answer)
+
+def every(text, reply, **fields):
+    return float(len(fields)) + 10 * ('text' in fields) + 100 * ('response' in fields)
+
+def optional(prompt, response, answer="9", *, bonus=0.0):
+    return float(response == answer) + bonus
+
+def changes(prompt, response, tests):
+    tests.append(response)
+    return float(len(tests))
+
+def shadows(prompt, answer, response):
+    return 0.0
+"""
+
+
+def test_a_reward_rule_gets_the_rows_fields_it_names(tmp_path, monkeypatch):
+    """A verifiable reward reads its reference from the data: a rule's parameters after (prompt,
+    response) get the row's fields of their names (all of them with **kwargs, never the row's
+    `prompt`, `response` or a name of its own first two), copied; a field some row lacks that the
+    rule requires is one line naming the row, before any rollout."""
+    (tmp_path / "reference_rules.py").write_text(REFERENCE_RULES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [
+        {"prompt": "6*7=", "answer": "42", "response": "42", "text": "t", "id": 3},
+        {"prompt": "1+1=", "answer": "3", "tests": ["a"]},
+    ]
+    scores = train_ppo.rule_scores("reference_rules:exact", rows, ["42", "2"])
+    assert scores.tolist() == [1.0, 0.0]
+    scores = train_ppo.rule_scores("reference_rules:every", rows, ["", ""])
+    assert scores.tolist() == [2.0, 2.0]  # answer and id; answer and tests
+    scores = train_ppo.rule_scores("reference_rules:optional", [{"prompt": "x"}], ["9"])
+    assert scores.tolist() == [1.0]
+    scores = train_ppo.rule_scores("reference_rules:optional", [{"prompt": "x", "bonus": 2}], ["9"])
+    assert scores.tolist() == [3.0]
+    twice = [rows[1], rows[1]]
+    assert train_ppo.rule_scores("reference_rules:changes", twice, ["a", "b"]).tolist() == [2, 2]
+    assert rows[1]["tests"] == ["a"]
+    check = train_ppo.check_rule_fields
+    check("reference_rules:exact", "--reward_fn", [("d.jsonl:1", rows[0])])
+    with pytest.raises(SystemExit, match=r"^error: d.jsonl:2: --reward_fn reference_rules:exa"):
+        check("reference_rules:exact", "--reward_fn", [("d.jsonl:1", rows[0]), ("d.jsonl:2", {})])
+    line = r"--gold_reward_fn reference_rules:shadows: a parameter 'response' after \(prompt"
+    with pytest.raises(SystemExit, match=line):
+        check("reference_rules:shadows", "--gold_reward_fn", [("d.jsonl:1", rows[0])])
+    check("task:reward_fn", "--reward_fn", [("d.jsonl:1", {"prompt": "1+1="})])
 
 
 def test_a_conversation_is_bounded_by_its_rendering_before_it_is_tokenised():
