@@ -1124,7 +1124,7 @@ def render_prompt(tok, prompt, where, tokenize):
         raise SystemExit(
             f"error: {where}: the prompt is a conversation, and the tokenizer has no chat "
             "template to render it (give the prompt as a string, or a model whose tokenizer has "
-            "one)"
+            "one: a Jinja template as chat_template.jinja in the model's folder is read as its)"
         )
     messages = chat_messages(prompt)
     try:
