@@ -411,7 +411,9 @@ class HFEngine:
 
     kind = "hf"
 
-    def __init__(self, model_path, max_model_len, seed, stop_ids, attn_implementation=None):
+    def __init__(
+        self, model_path, max_model_len, seed, stop_ids, attn_implementation=None, dtype=None
+    ):
         from transformers import AutoModelForCausalLM
         from transformers import GenerationConfig
 
@@ -420,18 +422,20 @@ class HFEngine:
         device = torch.device("cpu")
         if torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())
+        if dtype is None:
+            dtype = hf_engine_dtype(device)
         kwargs = {}
         if attn_implementation is not None:
             kwargs["attn_implementation"] = attn_implementation
-        if str(attn_implementation).startswith("flash_attention"):
+        if str(attn_implementation).startswith("flash_attention") and dtype == torch.float32:
             # flash attention takes bf16/fp16 only, and transformers casts fp32 q/k/v to the
-            # dtype of the Linear weights: fp32 here (the actor gets bf16 from FSDP's mixed
-            # precision). The engine samples with sdpa, the same attention in fp32.
+            # dtype of the Linear weights: fp32 here. The engine samples with sdpa, the same
+            # attention in fp32.
             kwargs["attn_implementation"] = "sdpa"
             if not dist.is_initialized() or dist.get_rank() == 0:
                 print(f"HF engine: sdpa in place of {attn_implementation} (fp32)", flush=True)
         kwargs["trust_remote_code"] = False  # an auto_map in the folder runs no code of its own
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **kwargs)
         self.model = model.to(device).eval()
         # No sampling defaults from the model folder (repetition penalty, top-k, ...): generate()
         # would fill every setting its call leaves unset from here. Cf. common.py.
@@ -491,6 +495,17 @@ class HFEngine:
     def load_weights(self, named_tensors):
         for name, tensor in named_tensors:
             self.params[name].copy_(tensor)
+
+
+def hf_engine_dtype(device):
+    """The HF engine's weights in the dtype vLLM's would have (`_device_settings`): bf16 on a GPU,
+    where the actor computes in bf16 too (FSDP2's mixed precision) and an fp32 copy would cost
+    twice the memory on every rank (28 GB for a 7B model, beside the sharded actor); fp32 on a
+    CPU, as the fp32 actor, so that their logprobs agree to ~1e-7. A sync casts the actor's
+    fp32 weights to it (`load_weights`)."""
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.float32
 
 
 class InverseCDFSampler:

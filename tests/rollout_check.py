@@ -48,6 +48,8 @@ def main(path):
     stop_ids = common.stop_token_ids(tok, GenerationConfig.from_pretrained(path))
     vl = rollout.build_engine("vllm", path, 64, 0, stop_ids)
     hf = rollout.build_engine("hf", path, 64, 0, stop_ids, attn_implementation=attention)
+    # the HF engine as it is on a GPU (`rollout.hf_engine_dtype`), its weights in bf16
+    hf16 = rollout.HFEngine(path, 64, 0, stop_ids, attention, dtype=torch.bfloat16)
     actor = common.shard_model(model.eval(), device)
     examples = task.make_split("test")[rank * 6 : rank * 6 + 6]
     prompts = [common.encode_prompt(tok, e["prompt"], "test") for e in examples]
@@ -64,6 +66,9 @@ def main(path):
             s = eng.generate(prompts, 2, NEW, T, 1.0, seeds)
             d = max_diff(actor_logprobs(actor, prompts, s, 2), s.logprobs)
             assert d < 1e-4, f"{type(eng).__name__}: logprob difference {d}"
+        s = hf16.generate(prompts, 2, NEW, T, 1.0, seeds)
+        d = max_diff(actor_logprobs(actor, prompts, s, 2), s.logprobs)
+        assert 0 < d < 0.05, f"HF engine in bf16: logprob difference {d}"  # 5e-3 measured
 
     # 3. Seeds: same seeds, same samples; another step, other samples; batching does not matter.
     a = vl.generate(prompts, 2, NEW, T, 1.0, seeds)
@@ -88,11 +93,20 @@ def main(path):
     with torch.no_grad():
         d = max_diff(actor_logprobs(actor, prompts, stale, 2), stale.logprobs)
         assert d > 1e-2, "engine changed before sync"
+        s = hf16.generate(prompts, 2, NEW, T, 1.0, seeds)
+        stale16 = max_diff(actor_logprobs(actor, prompts, s, 2), s.logprobs)
     assert vl.generate(prompts, 1, NEW, 0.0, 1.0, seeds).response_ids == before
     rollout.sync_weights(vl, actor)
     rollout.sync_weights(hf, actor)
+    rollout.sync_weights(hf16, actor)  # the fp32 actor's weights cast to the engine's bf16
     g_vl, g_hf = (e.generate(prompts, 1, NEW, 0.0, 1.0, seeds) for e in (vl, hf))
     assert g_vl.response_ids == g_hf.response_ids and g_vl.response_ids != before
+    s = hf16.generate(prompts, 2, NEW, T, 1.0, seeds)
+    with torch.no_grad():
+        d = max_diff(actor_logprobs(actor, prompts, s, 2), s.logprobs)
+    # the perturbed weights' large logits round coarsely in bf16 (0.89 measured), against a
+    # stale engine's 22
+    assert d < stale16 / 10, f"HF engine in bf16 after sync: {d}, stale: {stale16}"
     fresh = vl.generate(prompts, 2, NEW, T, 1.0, seeds)
     with torch.no_grad():
         d = max_diff(actor_logprobs(actor, prompts, fresh, 2), fresh.logprobs)
