@@ -852,12 +852,22 @@ def field_hint(row, field):
         return ' (or a conversation: a list of {"role", "content"} messages)'
     if field in RESPONSE_FIELDS and isinstance(row.get(field), dict):  # a message, not a list
         return ' (or a list of one message, [{"role": "assistant", "content": ...}])'
-    if field == "chosen" and "completion" in row:  # TRL's unpaired preference rows (KTO's)
+    if field == "chosen" and "completion" in row and "chosen" not in row:
+        return completion_hint(row)
+    return ""
+
+
+def completion_hint(row):
+    """What a pair stage's error adds for a row of a `completion` and no `chosen`."""
+    if "label" in row:  # TRL's unpaired preference rows (KTO's)
         return (
             ": a row of one 'completion' and its 'label' is TRL's unpaired preference row, "
             "which no stage here reads; a pair gives both 'chosen' and 'rejected'"
         )
-    return ""
+    return (
+        ": a {'prompt', 'completion'} row is an SFT example (train_sft.py); a pair gives both "
+        "'chosen' and 'rejected'"
+    )
 
 
 # The fields that hold a response: text, or TRL's conversational form of it (`assistant_content`);
@@ -1003,9 +1013,15 @@ def read_completion(where, row):
     """TRL's prompt-completion rows name the response "completion" (its text, or one assistant
     message in the conversational form): checked under that name, so an error names the field
     the file has, then read as the response. Both names in one row would leave one of them
-    untrained: one line."""
+    untrained, and a `label` beside it (TRL's KTO rows) would be ignored: one line each."""
     if "response" in row:
         raise SystemExit(f"error: {where}: 'completion' beside 'response'; give one")
+    if "label" in row:  # TRL's unpaired preference rows (KTO's): SFT would learn the bad ones too
+        raise SystemExit(
+            f"error: {where}: a 'completion' with a 'label' is TRL's unpaired preference row "
+            "(KTO's), which SFT would learn whatever its label; keep the desirable rows, "
+            "without 'label'"
+        )
     check_fields(("prompt", "completion"), where, row)
     row["response"] = row.pop("completion")
 

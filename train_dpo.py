@@ -49,9 +49,9 @@ class Args(common.RunArgs):
     string or a conversation (a list of {"role", "content"} messages) (default: the embedded
     task's pairs)"""
     eval_data: str = ""
-    """held-out JSONL of {"prompt": ..., "response": ...} (or {"messages": [...]}, an example per
-    assistant turn) for greedy exact-match accuracy (default: the embedded task's held-out split;
-    none with --data)"""
+    """held-out JSONL of {"prompt": ..., "response": ...} ("completion" for "response", as TRL
+    names it, is read too; or {"messages": [...]}, an example per assistant turn) for greedy
+    exact-match accuracy (default: the embedded task's held-out split; none with --data)"""
     out_dir: str = "runs/dpo"
     """checkpoints/, metrics.jsonl and the final hf/ export go here"""
     max_steps: int = 200

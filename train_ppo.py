@@ -54,7 +54,8 @@ class Args(common.RunArgs):
     reference"""
     data: str = ""
     """prompts JSONL, one {"prompt": ...} per line, a string or a conversation (a list of {"role",
-    "content"} messages) (default: the embedded addition task's train split)"""
+    "content"} messages), with any other fields the reward function takes by name (an "answer",
+    say) (default: the embedded addition task's train split)"""
     eval_data: str = ""
     """held-out prompts JSONL (default: the embedded task's held-out split; none with --data)"""
     out_dir: str = "runs/ppo"
@@ -111,7 +112,7 @@ class Args(common.RunArgs):
     reward_fn: str = "task:reward_fn"
     """module:function(prompt, response) -> float, the rule reward (used unless --reward_model);
     parameters after those two get the data row's fields of their names (`answer`, say), or all
-    of them with **kwargs"""
+    of them with **kwargs (never the row's prompt or response)"""
     reward_model: str = ""
     """HF AutoModelForSequenceClassification folder (train_rm.py's export); its score at the last
     real token is the reward"""
@@ -787,8 +788,9 @@ NOT_RULE_FIELDS = ("prompt", "response")
 class RuleParameters(typing.NamedTuple):
     names: tuple  # the parameters after (prompt, response) that a keyword can give
     required: tuple  # those of them without a default: every row must have the field
-    every: bool  # it takes **kwargs: every field of the row beside NOT_RULE_FIELDS
-    first: tuple  # the names of its first two parameters, never given as keywords
+    every: bool  # it takes **kwargs: every field of the row not in `never`
+    never: tuple  # its first two parameters' names, and a partial's bound keywords
+    signature: inspect.Signature | None  # None: none to read, or only (*args, **kwargs)
 
 
 def rule_parameters(fn):
@@ -796,28 +798,36 @@ def rule_parameters(fn):
     fields go to it as keywords, those it names (or all, if it takes **kwargs), as TRL gives a
     dataset's other columns to its reward functions. So a verifiable reward reads its reference,
     `def reward(prompt, response, answer)` with rows {"prompt": ..., "answer": ...}; a rule of
-    two parameters gets nothing more. A callable with no signature to read (a builtin) gets
-    (prompt, response)."""
+    two parameters gets nothing more. A callable whose signature says nothing (a builtin, or a
+    wrapper of (*args, **kwargs) such as a decorator without functools.wraps or an nn.Module)
+    gets (prompt, response): its **kwargs would hand every field to what it wraps."""
     try:
-        params = list(inspect.signature(fn).parameters.values())
+        signature = inspect.signature(fn)
     except (TypeError, ValueError):
-        return RuleParameters((), (), False, ())
+        return RuleParameters((), (), False, (), None)
+    params = list(signature.parameters.values())
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     first = [p for p in params if p.kind in positional][:2]
     by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    named = [p for p in params if p.kind in by_name and p not in first]
+    if not first and not any(p.kind in by_name for p in params):  # (*args, **kwargs)
+        return RuleParameters((), (), False, (), None)
+    bound = ()
+    if isinstance(fn, functools.partial):  # its bound keywords are the user's, not the row's
+        bound = tuple(fn.keywords)
+    named = [p for p in params if p.kind in by_name and p not in first and p.name not in bound]
     return RuleParameters(
         names=tuple(p.name for p in named),
         required=tuple(p.name for p in named if p.default is inspect.Parameter.empty),
         every=any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params),
-        first=tuple(p.name for p in first),
+        never=tuple(p.name for p in first) + bound,
+        signature=signature,
     )
 
 
 def rule_fields(params, row):
     """The keywords a rule (`rule_parameters`) gets from a data row, copied: a rule that changes
     a list it is given would change the run's rows from then on."""
-    skip = NOT_RULE_FIELDS + params.first
+    skip = NOT_RULE_FIELDS + params.never
     if params.every:
         fields = {key: value for key, value in row.items() if key not in skip}
     else:
@@ -837,15 +847,25 @@ def rules_in_use(args):
 
 
 def check_rule_fields(spec, flag, rows):
-    """Every row gives each field the rule requires (`rule_parameters`): a missing one is one
-    line naming the row as the data loads, not a TypeError at the rollout that samples it."""
+    """The rule can be called as (prompt, response, its required fields), and every row gives
+    those fields (`rule_parameters`): a rule that cannot, or a row without one, is one line as
+    the data loads, not a TypeError at the rollout that samples it."""
     params = rule_parameters(load_rule(spec, flag))
+    if params.signature is None:
+        return
+    try:
+        params.signature.bind(None, None, **dict.fromkeys(params.required))
+    except TypeError as e:
+        raise SystemExit(
+            f"error: {flag} {spec}{params.signature}: cannot be called as (prompt, response, "
+            f"the row's fields it names as keywords) ({e})"
+        )
     for name in params.required:
         if name in NOT_RULE_FIELDS:
             raise SystemExit(
-                f"error: {flag} {spec}: a parameter {name!r} after (prompt, response), which "
-                f"no data field gives (a row's {name!r} is never passed by name: give the "
-                "field another name, or the parameter a default)"
+                f"error: {flag} {spec}{params.signature}: a parameter {name!r} after its first "
+                f"two, which no data field gives (a row's {name!r} is never passed by name: "
+                "give the field another name, or the parameter a default)"
             )
     for where, row in rows:
         missing = [name for name in params.required if name not in row]

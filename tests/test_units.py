@@ -344,9 +344,15 @@ def test_a_response_as_one_assistant_message_is_its_content(tmp_path):
         line = r"p.jsonl:1: field 'chosen': a response given as messages is one assistant .*"
         with pytest.raises(SystemExit, match=line + got):
             common.load_jsonl(str(tmp_path / "p.jsonl"), ("prompt", "chosen", "rejected"))
-    kto = {"prompt": "1+1=", "completion": "2", "label": True}  # TRL's unpaired preference row
+    kto = {"prompt": "1+1=", "completion": "2", "label": False}  # TRL's unpaired preference row
     (tmp_path / "k.jsonl").write_text(json.dumps(kto) + "\n")
     with pytest.raises(SystemExit, match=r"'chosen': a row of one 'completion' and its 'label'"):
+        common.load_pairs(str(tmp_path / "k.jsonl"))
+    with pytest.raises(SystemExit, match=r"k.jsonl:1: a 'completion' with a 'label' is TRL's"):
+        common.load_examples(str(tmp_path / "k.jsonl"), None, 64)  # SFT would learn the bad ones
+    del kto["label"]
+    (tmp_path / "k.jsonl").write_text(json.dumps(kto) + "\n")
+    with pytest.raises(SystemExit, match=r"'chosen': a \{'prompt', 'completion'\} row is an SFT"):
         common.load_pairs(str(tmp_path / "k.jsonl"))
     for bad, line in (
         ([], r"p.jsonl:1: field 'chosen' is an empty list of messages"),
@@ -479,6 +485,18 @@ def changes(prompt, response, tests):
 
 def shadows(prompt, answer, response):
     return 0.0
+
+def positional(prompt, response, answer, /):
+    return 0.0
+
+def one(text):
+    return 0.0
+
+def wrapper(*args, **kwargs):  # a decorator without functools.wraps
+    return exact(*args, **kwargs) if len(args) == 3 else float(len(args) + len(kwargs))
+
+import functools
+fixed = functools.partial(exact, answer="fixed")
 """
 
 
@@ -508,10 +526,22 @@ def test_a_reward_rule_gets_the_rows_fields_it_names(tmp_path, monkeypatch):
     check("reference_rules:exact", "--reward_fn", [("d.jsonl:1", rows[0])])
     with pytest.raises(SystemExit, match=r"^error: d.jsonl:2: --reward_fn reference_rules:exa"):
         check("reference_rules:exact", "--reward_fn", [("d.jsonl:1", rows[0]), ("d.jsonl:2", {})])
-    line = r"--gold_reward_fn reference_rules:shadows: a parameter 'response' after \(prompt"
+    line = r"reference_rules:shadows\(prompt, answer, response\): a parameter 'response' after"
     with pytest.raises(SystemExit, match=line):
         check("reference_rules:shadows", "--gold_reward_fn", [("d.jsonl:1", rows[0])])
     check("task:reward_fn", "--reward_fn", [("d.jsonl:1", {"prompt": "1+1="})])
+    # rules that cannot be called so are one line before any rollout, not a TypeError at one
+    for rule in ("positional", "one"):
+        line = rf"^error: --reward_fn reference_rules:{rule}\(.*\): cannot be called as \(prompt"
+        with pytest.raises(SystemExit, match=line):
+            check(f"reference_rules:{rule}", "--reward_fn", [("d.jsonl:1", rows[0])])
+    # a signature that says nothing, (*args, **kwargs), gets (prompt, response) only
+    check("reference_rules:wrapper", "--reward_fn", [("d.jsonl:1", rows[0])])
+    assert train_ppo.rule_scores("reference_rules:wrapper", rows, ["", ""]).tolist() == [2, 2]
+    # a partial's bound keyword is the user's: a row's field of that name does not replace it
+    check("reference_rules:fixed", "--reward_fn", [("d.jsonl:1", rows[0])])
+    scores = train_ppo.rule_scores("reference_rules:fixed", rows, ["42", "fixed"])
+    assert scores.tolist() == [0.0, 1.0]
 
 
 def test_a_conversation_is_bounded_by_its_rendering_before_it_is_tokenised():
