@@ -95,7 +95,11 @@ class Args(common.RunArgs):
     lam: float = 0.95
     """GAE lambda [N policy #6]"""
     cliprange: float = 0.2
-    """PPO ratio clip epsilon"""
+    """PPO ratio clip epsilon: the ratio is clipped to [1 - eps, 1 + eps]"""
+    cliprange_high: float = 0.0
+    """the upper clip's epsilon where it differs from --cliprange's, [1 - eps, 1 + this] (DAPO's
+    clip-higher, Yu et al. 2025, eq. 10: 0.28 with --cliprange 0.2 there, so that a rare token
+    can gain more probability in one step); 0: --cliprange, the symmetric clip"""
     cliprange_value: float = 0.2
     """value clip around the old values; 0: no value clipping [N policy #10]"""
     kl_coef: float = 0.05
@@ -166,6 +170,7 @@ LIMITS = {
     "gamma": ">= 0, <= 1",
     "lam": ">= 0, <= 1",
     "cliprange": "> 0",
+    "cliprange_high": ">= 0",  # 0: --cliprange
     "cliprange_value": ">= 0",  # 0: no value clipping
     "kl_coef": ">= 0",
     "target_kl": ">= 0",
@@ -276,13 +281,17 @@ def group_advantages(scores, kind):
     return scores - (scores.sum(1, keepdim=True) - scores) / (n - 1)
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, n_tokens):
+def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, n_tokens, cliprange_high=None):
     """Clipped surrogate (Schulman et al. 2017, eq. 7), as a loss: the mean over tokens of
-        max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps)).
-    All [B, R]; n_tokens: the global token count. Returns (pg_loss, clipfrac, approxkl, ratio)."""
+        max(-A ratio, -A clip(ratio, 1 - eps_low, 1 + eps_high)),
+    eps_low = cliprange, eps_high = cliprange_high (DAPO's clip-higher, Yu et al. 2025, eq. 10;
+    by default the same as eps_low, Schulman's symmetric clip). All [B, R]; n_tokens: the global
+    token count. Returns (pg_loss, clipfrac, approxkl, ratio)."""
+    if cliprange_high is None:
+        cliprange_high = cliprange
     ratio = torch.exp(logprobs - old_logprobs)  # [B, R]
     pg_losses = -advantages * ratio
-    pg_losses2 = -advantages * ratio.clamp(1 - cliprange, 1 + cliprange)
+    pg_losses2 = -advantages * ratio.clamp(1 - cliprange, 1 + cliprange_high)
     pg_loss = masked_mean(torch.max(pg_losses, pg_losses2), mask, n_tokens)
     clipfrac = masked_mean((pg_losses2 > pg_losses).float(), mask, n_tokens)
     approxkl = 0.5 * masked_mean((logprobs - old_logprobs) ** 2, mask, n_tokens)
@@ -1118,8 +1127,15 @@ def ppo_loss(args, models, exp, rows, n_tokens, kl_coef, fill_old):
     logprobs = logprobs_of(models.actor, batch, args.temperature)  # [b, R]
     if fill_old:  # the weights that sampled, before any step: these are the old logprobs
         exp.old_logprobs[rows] = logprobs.detach() * mask
+    clip_high = args.cliprange_high if args.cliprange_high > 0 else args.cliprange
     pg_loss, clipfrac, approxkl, ratio = policy_loss(
-        logprobs, exp.old_logprobs[rows], exp.advantages[rows], mask, args.cliprange, n_tokens
+        logprobs,
+        exp.old_logprobs[rows],
+        exp.advantages[rows],
+        mask,
+        args.cliprange,
+        n_tokens,
+        clip_high,
     )
     stats = {
         "policy/pg_loss": pg_loss.detach(),

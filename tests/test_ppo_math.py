@@ -103,6 +103,24 @@ def test_clipped_policy_loss_by_hand():
     assert loss2.item() == pytest.approx(-1.0)
 
 
+def test_clip_higher_by_hand():
+    """DAPO's clip-higher (Yu et al. 2025, eq. 10): the upper clip at 1 + 0.28, the lower at
+    1 - 0.2. A positive advantage's ratio may now rise to 1.28; a negative one's falls to 0.8 as
+    before."""
+    ratio = t([[1.25, 1.3, 0.7, 1.25]])
+    old = t([[-1.0, -1.0, -1.0, -1.0]])
+    adv = t([[1.0, 1.0, -1.0, -1.0]])
+    logp = old + ratio.log()
+    mask = torch.ones(1, 4)
+    loss, clipfrac, *_ = ppo.policy_loss(logp, old, adv, mask, 0.2, 4, cliprange_high=0.28)
+    # max(-A r, -A clip(r, 0.8, 1.28)): -1.25 (inside now), -1.28 (clipped), 0.8 (clipped), 1.25
+    # (a negative advantage's ratio above 1 is never clipped: the unclipped term is the max)
+    assert loss.item() == pytest.approx((-1.25 - 1.28 + 0.8 + 1.25) / 4)
+    assert clipfrac.item() == pytest.approx(0.5)
+    symmetric, *_ = ppo.policy_loss(logp, old, adv, mask, 0.2, 4)
+    assert symmetric.item() == pytest.approx((-1.2 - 1.2 + 0.8 + 1.25) / 4)
+
+
 def test_value_loss_clipped_and_not():
     v = t([[1.0, 0.0]])
     old = t([[0.5, 0.0]])
