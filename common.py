@@ -848,6 +848,11 @@ def field_hint(row, field):
             ": 'messages' rows are read by train_sft.py (and train_dpo.py's --eval_data) "
             "only; here the conversation goes in 'prompt'"
         )
+    if field == "prompt" and "text" in row and "prompt" not in row:  # TRL's language-modelling rows
+        return (
+            ": a {'text'} row is plain language modelling, which no stage here does (SFT learns a "
+            "response to a prompt); give 'prompt' and 'response'"
+        )
     if field == "prompt":
         return ' (or a conversation: a list of {"role", "content"} messages)'
     if field in RESPONSE_FIELDS and isinstance(row.get(field), dict):  # a message, not a list

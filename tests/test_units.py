@@ -138,6 +138,10 @@ def test_encode_appends_eos_and_rejects_overlong():
         ),
         ('["prompt"]\n', r"data.jsonl:1: expected a string field 'prompt' \(or a conversation"),
         ("\n\n", r"data.jsonl: no examples"),
+        (
+            '{"text": "1+1=2"}\n',
+            r"data.jsonl:1: expected a string field 'prompt': a \{'text'\} row",
+        ),
         ('{"prompt": [], "response": "2"}\n', r"data.jsonl:1: field 'prompt' is an empty conv"),
         (
             '{"messages": [{"role": "user", "content": "1+1="}]}\n',
