@@ -1145,7 +1145,8 @@ def render_prompt(tok, prompt, where, tokenize):
         raise SystemExit(
             f"error: {where}: the prompt is a conversation, and the tokenizer has no chat "
             "template to render it (give the prompt as a string, or a model whose tokenizer has "
-            "one: a Jinja template as chat_template.jinja in the model's folder is read as its)"
+            "one: transformers reads a Jinja template saved as chat_template.jinja in the "
+            "model's folder)"
         )
     messages = chat_messages(prompt)
     try:
