@@ -755,7 +755,10 @@ def _load_jsonl(path, check_row):
     if os.path.exists(path) and not os.path.isfile(path):
         raise SystemExit(f"error: {path}: not a file (a folder or a device); expected JSONL")
     if not os.path.isfile(path):
-        raise SystemExit(f"error: {path}: no such file")
+        where = ""
+        if not os.path.isabs(path):  # launch.sh runs from the repository, not the caller's folder
+            where = f" (a relative path, read from {os.getcwd()})"
+        raise SystemExit(f"error: {path}: no such file{where}")
     digest = hashlib.sha256()
     try:
         rows = _read_jsonl(path, check_row, digest)
@@ -857,6 +860,13 @@ def field_hint(row, field):
         return ' (or a conversation: a list of {"role", "content"} messages)'
     if field in RESPONSE_FIELDS and isinstance(row.get(field), dict):  # a message, not a list
         return ' (or a list of one message, [{"role": "assistant", "content": ...}])'
+    if field == "response" and "chosen" in row:  # a preference pair as an SFT example
+        return (
+            ": a preference pair; held-out accuracy is measured on SFT examples, {'prompt', "
+            "'response'} (or 'completion') or {'messages'} rows"
+        )
+    if field == "response" and field not in row:
+        return f" (or 'completion', or a {{'messages'}} row); the row has {sorted(row)}"
     if field == "chosen" and "completion" in row and "chosen" not in row:
         return completion_hint(row)
     return ""
@@ -1143,10 +1153,10 @@ def render_prompt(tok, prompt, where, tokenize):
     conversation without a template, is one line naming `where`."""
     if not tok.chat_template:  # no template: nothing says how to join the turns
         raise SystemExit(
-            f"error: {where}: the prompt is a conversation, and the tokenizer has no chat "
-            "template to render it (give the prompt as a string, or a model whose tokenizer has "
-            "one: transformers reads a Jinja template saved as chat_template.jinja in the "
-            "model's folder)"
+            f"error: {where}: a conversation (a prompt, or a dialogue's turns), and the "
+            "tokenizer has no chat template to render it (give the prompt as a string, or a "
+            "model whose tokenizer has one: transformers reads a Jinja template saved as "
+            "chat_template.jinja in the model's folder)"
         )
     messages = chat_messages(prompt)
     try:

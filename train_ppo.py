@@ -794,6 +794,11 @@ def load_rule(spec, flag):
 NOT_RULE_FIELDS = ("prompt", "response")
 
 
+# The names TRL's reward functions give their batched arguments, (prompts, completions, ...) or
+# (completions, **kwargs): a rule here takes one (prompt, response) per call
+TRL_BATCH_NAMES = ("prompts", "completions", "completion_ids")
+
+
 class RuleParameters(typing.NamedTuple):
     names: tuple  # the parameters after (prompt, response) that a keyword can give
     required: tuple  # those of them without a default: every row must have the field
@@ -862,6 +867,13 @@ def check_rule_fields(spec, flag, rows):
     params = rule_parameters(load_rule(spec, flag))
     if params.signature is None:
         return
+    if set(params.never) & set(TRL_BATCH_NAMES):
+        raise SystemExit(
+            f"error: {flag} {spec}{params.signature}: a TRL reward function, over lists of "
+            "prompts and completions; here a rule scores one response per call, (prompt, "
+            "response, **fields): wrap it (README, train_ppo.py: a reward that checks against "
+            "the data)"
+        )
     try:
         params.signature.bind(None, None, **dict.fromkeys(params.required))
     except TypeError as e:
@@ -904,11 +916,13 @@ def rule_scores(spec, rows, responses, flag="--reward_fn"):
             raise SystemExit(
                 f"error: {flag} {spec} raised {e!r} on prompt {prompt!r}, response {response!r}"
             )
+        if isinstance(s, bool):  # `response == answer`: a 0/1 reward, as TRL takes it too
+            s = float(s)
         value = finite_number(s)
         if value is None:
             raise SystemExit(
                 f"error: {flag} {spec} returned {s!r:.200} for prompt {prompt!r}; expected a "
-                "number finite in float32"
+                "number finite in float32 (one score: a rule scores one response per call)"
             )
         scores.append(value)
     return torch.tensor(scores)

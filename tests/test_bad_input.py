@@ -60,7 +60,7 @@ def test_bad_flags(tmp_path, extra, needles):
         ),
         (
             '{"prompt": [{"role": "user", "content": "1+1="}], "response": "2"}\n',
-            ["bad.jsonl:1: the prompt is a conversation", "has no chat template"],
+            ["bad.jsonl:1: a conversation (a prompt", "has no chat template"],
         ),
         (
             '{"prompt": [{"role": "user", "text": "1+1="}], "response": "2"}\n',

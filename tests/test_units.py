@@ -183,8 +183,13 @@ def test_load_jsonl_errors_name_file_and_line(tmp_path, content, message):
     (tmp_path / "data.jsonl").write_text(content)
     with pytest.raises(SystemExit, match=message):
         common.load_jsonl(str(tmp_path / "data.jsonl"), ("prompt", "response"))
-    with pytest.raises(SystemExit, match="nope.jsonl: no such file"):
+    with pytest.raises(SystemExit, match="nope.jsonl: no such file$"):
         common.load_jsonl(str(tmp_path / "nope.jsonl"), ("prompt",))
+    # launch.sh reads relative paths from the repository: the line says from where
+    with pytest.raises(
+        SystemExit, match=r"^error: nope.jsonl: no such file \(a relative path, read"
+    ):
+        common.load_jsonl("nope.jsonl", ("prompt",))
 
 
 def test_a_conversation_as_prompt_is_rendered_by_the_chat_template(tmp_path):
@@ -227,7 +232,7 @@ def test_a_conversation_as_prompt_is_rendered_by_the_chat_template(tmp_path):
     assert train_ppo.reward_model_inputs(tok, [conversation], ["3"], [True]) == [ids]
     plain = AutoTokenizer.from_pretrained(task.TINY_MODEL)
     with pytest.raises(
-        SystemExit, match=r"data.jsonl:1: the prompt is a conversation, and the tokenizer has no"
+        SystemExit, match=r"data.jsonl:1: a conversation \(a prompt, or a dialogue's turns\), and"
     ):
         train_sft.encode(plain, rows[0][1], 128, rows[0][0])
     no_system = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system') }}"
@@ -298,7 +303,14 @@ def test_a_messages_row_is_an_example_per_assistant_turn(tmp_path):
             r"d.jsonl:1: field 'completion': a response given as messages is one assistant",
         ),
         ({"completion": "2"}, r"d.jsonl:1: expected a string field 'prompt'"),
-        ({"prompt": "1+1="}, r"d.jsonl:1: expected a string field 'response'"),
+        (
+            {"prompt": "1+1="},
+            r"d.jsonl:1: expected a string field 'response' \(or 'completion', or a \{'messa",
+        ),
+        (
+            {"prompt": "1+1=", "chosen": "2", "rejected": "3"},
+            r"d.jsonl:1: expected a string field 'response': a preference pair; held-out",
+        ),
         (["1+1="], r"d.jsonl:1: expected a string field 'prompt'"),
         (
             {
@@ -501,6 +513,12 @@ def wrapper(*args, **kwargs):  # a decorator without functools.wraps
 
 import functools
 fixed = functools.partial(exact, answer="fixed")
+
+def trl(prompts, completions, **kwargs):  # TRL's batched shape
+    return [0.0 for _ in completions]
+
+def right(prompt, response, answer):  # a bool: a 0/1 reward
+    return response == answer
 """
 
 
@@ -546,6 +564,10 @@ def test_a_reward_rule_gets_the_rows_fields_it_names(tmp_path, monkeypatch):
     check("reference_rules:fixed", "--reward_fn", [("d.jsonl:1", rows[0])])
     scores = train_ppo.rule_scores("reference_rules:fixed", rows, ["42", "fixed"])
     assert scores.tolist() == [0.0, 1.0]
+    # TRL's batched reward functions are told to be wrapped, before any rollout
+    with pytest.raises(SystemExit, match=r"reference_rules:trl\(prompts, .*a TRL reward function"):
+        check("reference_rules:trl", "--reward_fn", [("d.jsonl:1", rows[0])])
+    assert train_ppo.rule_scores("reference_rules:right", rows, ["42", "2"]).tolist() == [1, 0]
 
 
 def test_a_conversation_is_bounded_by_its_rendering_before_it_is_tokenised():
