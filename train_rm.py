@@ -29,7 +29,9 @@ logging) is in common.py.
 
 import dataclasses
 import math
+import numbers
 import time
+import typing
 
 import torch
 import torch.distributed as dist
@@ -82,7 +84,9 @@ class Args(common.RunArgs):
     which the model must add to judge; the held-out pairs keep one each, so eval/accuracy means the
     same at every setting)"""
     margin: float = 0.0
-    """the chosen response must beat the rejected one by this much: -logsigmoid(r_c - r_r - m)"""
+    """the chosen response must beat the rejected one by this much: -logsigmoid(r_c - r_r - m);
+    a pair's own "margin" field, where the data gives one (TRL's margin column), is its margin
+    instead (the two are not given together)"""
     norm_samples: int = 1024
     """distinct chosen responses of the training data scored at the end for the reward's mean and
     std (config.json's reward_mean and reward_std, which PPO normalises with)"""
@@ -112,18 +116,43 @@ LIMITS = {
 
 
 # ---- the math ----------------------------------------------------------------------------------
-def encode_pairs(tok, rows, max_len):
-    """[(chosen ids, rejected ids)] of [(where, {"prompt", "chosen", "rejected"})] rows, each
-    sequence the prompt, the response and its end (`common.encode_pair`, as PPO scores a finished
-    response). The reward model reads the whole sequence, so the prompt's length is not kept."""
-    pairs = [common.encode_pair(tok, row, max_len, where) for where, row in rows]
-    return [(chosen, rejected) for (chosen, _), (rejected, _) in pairs]
+class Pair(typing.NamedTuple):
+    chosen: list  # token ids: the prompt, the chosen response and its end
+    rejected: list  # the same with the rejected response
+    margin: float  # by how much r(chosen) must beat r(rejected) (`bradley_terry_loss`)
+
+
+def encode_pairs(tok, rows, max_len, margin=0.0):
+    """[Pair] of [(where, {"prompt", "chosen", "rejected"})] rows, each sequence the prompt, the
+    response and its end (`common.encode_pair`, as PPO scores a finished response). The reward
+    model reads the whole sequence, so the prompt's length is not kept. A pair's margin is its
+    row's "margin" field (`pair_margin`), else `margin` (--margin)."""
+    pairs = []
+    for where, row in rows:
+        (chosen, _), (rejected, _) = common.encode_pair(tok, row, max_len, where)
+        pairs.append(Pair(chosen, rejected, pair_margin(where, row, margin)))
+    return pairs
+
+
+def pair_margin(where, row, margin):
+    """A row's own "margin" (TRL's reward data may carry one per pair, as Llama 2's margin by
+    preference strength), a finite number; else --margin's. Both at once is one line: which
+    one was meant cannot be told."""
+    if "margin" not in row:
+        return margin
+    value = row["margin"]
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise SystemExit(f"error: {where}: field 'margin': expected a finite number, got {value!r}")
+    if margin != 0:
+        raise SystemExit(f"error: {where}: a 'margin' field beside --margin {margin}; give one")
+    return float(value)
 
 
 def bradley_terry_loss(r_chosen, r_rejected, margin, n_pairs):
     """-log sigmoid(r(x, y_c) - r(x, y_r) - margin), summed over this micro-batch's pairs and
     divided by n_pairs, the pairs of the whole global batch (Stiennon et al. 2020, eq. 1; Ouyang
-    et al. 2022, eq. 1; the margin as in Llama 2, Touvron et al. 2023, eq. 2). r_* [b]."""
+    et al. 2022, eq. 1; the margin as in Llama 2, Touvron et al. 2023, eq. 2). r_* [b]; margin
+    a number or one per pair [b]."""
     return -F.logsigmoid(r_chosen - r_rejected - margin).sum() / n_pairs
 
 
@@ -153,8 +182,8 @@ def load_data(args, tok, max_len):
         # prompts of the held-out split only
         held_out = common.numbered("embedded task", task.make_pairs("test"))
     source = args.data or "embedded task"
-    train = encode_pairs(tok, train, max_len)
-    held_out = encode_pairs(tok, held_out[: args.eval_samples], max_len)
+    train = encode_pairs(tok, train, max_len, args.margin)
+    held_out = encode_pairs(tok, held_out[: args.eval_samples], max_len, args.margin)
     if len(train) < args.train_batch_size:
         raise SystemExit(
             f"error: {source}: {len(train)} pairs, fewer than --train_batch_size "
@@ -164,10 +193,10 @@ def load_data(args, tok, max_len):
 
 
 def pair_scores(model, pairs, pad_id, device):
-    """(r_chosen [b], r_rejected [b]) of pairs [(chosen ids, rejected ids)]: both responses of a
-    pair in one forward, so a pair is never split across micro-batches or ranks."""
-    chosen = [c for c, _ in pairs]
-    rejected = [r for _, r in pairs]
+    """(r_chosen [b], r_rejected [b]) of pairs [Pair]: both responses of a pair in one forward, so
+    a pair is never split across micro-batches or ranks."""
+    chosen = [pair.chosen for pair in pairs]
+    rejected = [pair.rejected for pair in pairs]
     scores = common.sequence_scores(model, chosen + rejected, pad_id, device)  # [2b]
     return scores[: len(pairs)], scores[len(pairs) :]
 
@@ -180,7 +209,8 @@ def train_step(args, model, optim, sched, mine, pad_id, device):
     for start in range(0, len(mine), args.micro_batch_size):
         micro = mine[start : start + args.micro_batch_size]
         r_chosen, r_rejected = pair_scores(model, micro, pad_id, device)
-        loss = bradley_terry_loss(r_chosen, r_rejected, args.margin, args.train_batch_size)
+        margins = torch.tensor([pair.margin for pair in micro], device=r_chosen.device)  # [b]
+        loss = bradley_terry_loss(r_chosen, r_rejected, margins, args.train_batch_size)
         # FSDP averages gradients over ranks; the loss is already a global pair mean: undo that
         (loss * world).backward()
         sums["loss"] += loss.item()
@@ -285,8 +315,8 @@ def distinct_chosen(train, n):
     share its chosen response (`--pairs_per_prompt 4`: the first 1024 pairs hold 257 distinct
     ones), and a repeated one would weigh four times in the statistics."""
     chosen = {}
-    for c, _ in train:
-        chosen.setdefault(tuple(c), c)  # dicts keep the order of first insertion
+    for pair in train:
+        chosen.setdefault(tuple(pair.chosen), pair.chosen)  # dicts keep the order of insertion
         if len(chosen) == n:
             break
     return list(chosen.values())

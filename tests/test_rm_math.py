@@ -47,6 +47,29 @@ def test_bradley_terry_loss_by_hand():
     assert got.item() == pytest.approx(want, rel=1e-6)
 
 
+def test_a_margin_per_pair_from_the_data():
+    """TRL's reward data may carry a "margin" per pair (Llama 2's, by preference strength): the
+    pair's margin in the loss; --margin for pairs without one; never both; a number."""
+    from transformers import AutoTokenizer
+
+    # per pair: the differences 1 and -1 less margins 1 and 0: 0 and -1
+    r_chosen = torch.tensor([2.0, 0.0])
+    r_rejected = torch.tensor([1.0, 1.0])
+    want = (math.log(2) + math.log(1 + math.exp(1))) / 4
+    got = train_rm.bradley_terry_loss(r_chosen, r_rejected, torch.tensor([1.0, 0.0]), 4)
+    assert got.item() == pytest.approx(want, rel=1e-6)
+    tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
+    row = {"prompt": "1+1=", "chosen": "2", "rejected": "3"}
+    rows = [("d:1", {**row, "margin": 2}), ("d:2", row)]
+    assert [pair.margin for pair in train_rm.encode_pairs(tok, rows, 64)] == [2.0, 0.0]
+    assert [pair.margin for pair in train_rm.encode_pairs(tok, rows[1:], 64, 0.5)] == [0.5]
+    with pytest.raises(SystemExit, match=r"^error: d:1: a 'margin' field beside --margin 0.5"):
+        train_rm.encode_pairs(tok, rows, 64, 0.5)
+    for bad in (True, "1", float("nan"), None):
+        with pytest.raises(SystemExit, match=r"^error: d:1: field 'margin': expected a finite"):
+            train_rm.encode_pairs(tok, [("d:1", {**row, "margin": bad})], 64)
+
+
 def test_micro_batches_add_up_to_the_global_mean():
     r_chosen = torch.tensor([0.3, -1.2, 2.0, 0.1])
     r_rejected = torch.tensor([0.0, 0.5, -1.0, 0.4])
@@ -62,7 +85,8 @@ def test_the_rm_is_trained_on_the_format_ppo_scores():
 
     tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
     row = {"prompt": "37+45=", "chosen": "82", "rejected": "712"}
-    [(chosen, rejected)] = train_rm.encode_pairs(tok, [("data:1", row)], 64)
+    [(chosen, rejected, margin)] = train_rm.encode_pairs(tok, [("data:1", row)], 64)
+    assert margin == 0.0
     want = train_ppo.reward_model_inputs(tok, ["37+45="] * 2, ["82", "712"], [True, True])
     assert [chosen, rejected] == want
     assert chosen[-1] == tok.eos_token_id and len(rejected) == len(chosen) + 1
@@ -94,6 +118,7 @@ def test_the_reward_statistics_count_each_chosen_response_once():
     """A prompt's pairs share its chosen response: the statistics PPO normalises with take the
     first --norm_samples distinct ones, in order."""
     pairs = [([1, 2], [1, 3]), ([1, 2], [1, 4]), ([5, 6], [5, 7]), ([1, 2], [1, 9]), ([8], [9])]
+    pairs = [train_rm.Pair(chosen, rejected, 0.0) for chosen, rejected in pairs]
     assert train_rm.distinct_chosen(pairs, 2) == [[1, 2], [5, 6]]
     assert train_rm.distinct_chosen(pairs, 10) == [[1, 2], [5, 6], [8]]
     from transformers import AutoTokenizer
