@@ -29,6 +29,7 @@ import io
 import json
 import logging
 import math
+import numbers
 import operator
 import os
 import random
@@ -758,6 +759,8 @@ def _load_jsonl(path, check_row):
         where = ""
         if not os.path.isabs(path):  # launch.sh runs from the repository, not the caller's folder
             where = f" (a relative path, read from {os.getcwd()})"
+        if path.startswith("~"):  # quoted, or after '=': the shell left it as it is
+            where = f" (a path starting with '~', which nothing expanded; read from {os.getcwd()})"
         raise SystemExit(f"error: {path}: no such file{where}")
     digest = hashlib.sha256()
     try:
@@ -765,6 +768,24 @@ def _load_jsonl(path, check_row):
     except OSError as e:  # a disk or network read error carries no file name of its own
         raise SystemExit(f"error: {path}: {e.strerror or e}") from None
     return rows, digest.hexdigest()
+
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def finite_number(value):
+    """value as a float if it is a real number (not a bool: a JSON true is no score) that float32,
+    the dtype scores and losses are kept in, holds finite; else None. A NumPy scalar counts; an
+    int too large for any float (10**400) does not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    if not abs(value) <= FLOAT32_MAX:  # (NaN fails every comparison)
+        return None
+    return value
 
 
 # A JSONL row is one example: a longer line (its line ending not counted) is no row (a whole
@@ -851,22 +872,24 @@ def field_hint(row, field):
             ": 'messages' rows are read by train_sft.py (and train_dpo.py's --eval_data) "
             "only; here the conversation goes in 'prompt'"
         )
-    if field == "prompt" and "text" in row and "prompt" not in row:  # TRL's language-modelling rows
+    lm_row = "text" in row and not {"prompt", "chosen", "rejected"} & set(row)
+    if field == "prompt" and lm_row:  # TRL's language-modelling rows, {"text": ...}
         return (
-            ": a {'text'} row is plain language modelling, which no stage here does (SFT learns a "
-            "response to a prompt); give 'prompt' and 'response'"
+            ": a {'text'} row is plain language modelling, which no stage here does (each "
+            "learns from responses to prompts)"
         )
     if field == "prompt":
         return ' (or a conversation: a list of {"role", "content"} messages)'
     if field in RESPONSE_FIELDS and isinstance(row.get(field), dict):  # a message, not a list
         return ' (or a list of one message, [{"role": "assistant", "content": ...}])'
-    if field == "response" and "chosen" in row:  # a preference pair as an SFT example
+    if field == "response" and "chosen" in row and field not in row:  # a pair as an SFT example
         return (
-            ": a preference pair; held-out accuracy is measured on SFT examples, {'prompt', "
-            "'response'} (or 'completion') or {'messages'} rows"
+            ": a preference pair; this file takes SFT examples, {'prompt', 'response'} (or "
+            "'completion') or {'messages'} rows (pairs are train_rm.py's and train_dpo.py's "
+            "--data)"
         )
     if field == "response" and field not in row:
-        return f" (or 'completion', or a {{'messages'}} row); the row has {sorted(row)}"
+        return f" (or 'completion', or a {{'messages'}} row); the row has {sorted(row)!r:.200}"
     if field == "chosen" and "completion" in row and "chosen" not in row:
         return completion_hint(row)
     return ""
@@ -1154,9 +1177,9 @@ def render_prompt(tok, prompt, where, tokenize):
     if not tok.chat_template:  # no template: nothing says how to join the turns
         raise SystemExit(
             f"error: {where}: a conversation (a prompt, or a dialogue's turns), and the "
-            "tokenizer has no chat template to render it (give the prompt as a string, or a "
-            "model whose tokenizer has one: transformers reads a Jinja template saved as "
-            "chat_template.jinja in the model's folder)"
+            "tokenizer has no chat template to render it (give string prompts, {'prompt', "
+            "'response'} rows, or a model whose tokenizer has one: transformers reads a Jinja "
+            "template saved as chat_template.jinja in the model's folder)"
         )
     messages = chat_messages(prompt)
     try:

@@ -436,6 +436,12 @@ class HFEngine:
                 print(f"HF engine: sdpa in place of {attn_implementation} (fp32)", flush=True)
         kwargs["trust_remote_code"] = False  # an auto_map in the folder runs no code of its own
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **kwargs)
+        # Every parameter in the engine's dtype, as FSDP2's mixed precision computes the actor's:
+        # transformers keeps some in fp32 (`_keep_in_fp32_modules_strict`: a MoE gate, a Mamba
+        # layer's A_log), which would route or decay otherwise than the actor. Buffers stay as
+        # loaded, as the actor's do (rotary frequencies in fp32).
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
         self.model = model.to(device).eval()
         # No sampling defaults from the model folder (repetition penalty, top-k, ...): generate()
         # would fill every setting its call leaves unset from here. Cf. common.py.

@@ -26,10 +26,10 @@ import importlib
 import inspect
 import json
 import math
-import numbers
 import os
 import typing
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -99,7 +99,8 @@ class Args(common.RunArgs):
     cliprange_high: float = 0.0
     """the upper clip's epsilon where it differs from --cliprange's, [1 - eps, 1 + this] (DAPO's
     clip-higher, Yu et al. 2025, eq. 10: 0.28 with --cliprange 0.2 there, so that a rare token
-    can gain more probability in one step); 0: --cliprange, the symmetric clip"""
+    can gain more probability in one step; a narrower one is taken too); 0: --cliprange, the
+    symmetric clip"""
     cliprange_value: float = 0.2
     """value clip around the old values; 0: no value clipping [N policy #10]"""
     kl_coef: float = 0.05
@@ -594,13 +595,13 @@ def reward_normalisation(config, where):
         common.print0(f"{where}: config.json has no reward_mean/reward_std; using the raw score")
         return None
     for name, value in (("reward_mean", mean), ("reward_std", std)):
-        if finite_number(value) is None:
+        if common.finite_number(value) is None:
             raise SystemExit(
                 f"error: {where}/config.json: {name} must be a number finite in float32, got "
                 f"{value!r:.200}"
             )
-    mean = finite_number(mean)
-    std = finite_number(std)
+    mean = common.finite_number(mean)
+    std = common.finite_number(std)
     if std < 0:
         raise SystemExit(f"error: {where}/config.json: reward_std must be >= 0, got {std!r}")
     if std == 0:
@@ -608,24 +609,6 @@ def reward_normalisation(config, where):
         common.print0(f"{where}: config.json has reward_std 0; using the raw score")
         return None
     return (mean, std)
-
-
-FLOAT32_MAX = torch.finfo(torch.float32).max
-
-
-def finite_number(value):
-    """value as a float if it is a real number (not a bool: a JSON true is no score) that float32,
-    the dtype scores are kept in, holds finite; else None. A NumPy scalar counts; an int too
-    large for any float (10**400) does not."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return None
-    try:
-        value = float(value)
-    except OverflowError:
-        return None
-    if not abs(value) <= FLOAT32_MAX:  # (NaN fails every comparison)
-        return None
-    return value
 
 
 def load_prompts(rows, tok, max_new_tokens, context, reward_tok=None):
@@ -867,7 +850,7 @@ def check_rule_fields(spec, flag, rows):
     params = rule_parameters(load_rule(spec, flag))
     if params.signature is None:
         return
-    if set(params.never) & set(TRL_BATCH_NAMES):
+    if set(params.never + params.names) & set(TRL_BATCH_NAMES):
         raise SystemExit(
             f"error: {flag} {spec}{params.signature}: a TRL reward function, over lists of "
             "prompts and completions; here a rule scores one response per call, (prompt, "
@@ -916,13 +899,16 @@ def rule_scores(spec, rows, responses, flag="--reward_fn"):
             raise SystemExit(
                 f"error: {flag} {spec} raised {e!r} on prompt {prompt!r}, response {response!r}"
             )
-        if isinstance(s, bool):  # `response == answer`: a 0/1 reward, as TRL takes it too
+        if isinstance(s, (bool, np.bool_)):  # `response == answer`: 0/1, as TRL takes it too
             s = float(s)
-        value = finite_number(s)
+        value = common.finite_number(s)
         if value is None:
+            several = ""
+            if isinstance(s, (list, tuple, np.ndarray, torch.Tensor)):
+                several = " (one score: a rule scores one response per call)"
             raise SystemExit(
                 f"error: {flag} {spec} returned {s!r:.200} for prompt {prompt!r}; expected a "
-                "number finite in float32 (one score: a rule scores one response per call)"
+                f"number finite in float32{several}"
             )
         scores.append(value)
     return torch.tensor(scores)

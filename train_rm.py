@@ -29,7 +29,6 @@ logging) is in common.py.
 
 import dataclasses
 import math
-import numbers
 import time
 import typing
 
@@ -136,16 +135,19 @@ def encode_pairs(tok, rows, max_len, margin=0.0):
 
 def pair_margin(where, row, margin):
     """A row's own "margin" (TRL's reward data may carry one per pair, as Llama 2's margin by
-    preference strength), a finite number; else --margin's. Both at once is one line: which
-    one was meant cannot be told."""
+    preference strength), a number float32 holds (negative too, as TRL takes it); else
+    --margin's. Both at once is one line: which one was meant cannot be told."""
     if "margin" not in row:
         return margin
-    value = row["margin"]
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise SystemExit(f"error: {where}: field 'margin': expected a finite number, got {value!r}")
+    value = common.finite_number(row["margin"])
+    if value is None:
+        raise SystemExit(
+            f"error: {where}: field 'margin': expected a number finite in float32, got "
+            f"{row['margin']!r:.100}"
+        )
     if margin != 0:
         raise SystemExit(f"error: {where}: a 'margin' field beside --margin {margin}; give one")
-    return float(value)
+    return value
 
 
 def bradley_terry_loss(r_chosen, r_rejected, margin, n_pairs):
@@ -169,7 +171,7 @@ def init_reward_head(head, seed):
 
 # ---- the phases --------------------------------------------------------------------------------
 def load_data(args, tok, max_len):
-    """(training pairs, held-out pairs), each [(chosen ids, rejected ids)]."""
+    """(training pairs, held-out pairs), each [Pair]."""
     if args.data:
         train = common.load_pairs(args.data)
     else:

@@ -65,9 +65,10 @@ def test_a_margin_per_pair_from_the_data():
     assert [pair.margin for pair in train_rm.encode_pairs(tok, rows[1:], 64, 0.5)] == [0.5]
     with pytest.raises(SystemExit, match=r"^error: d:1: a 'margin' field beside --margin 0.5"):
         train_rm.encode_pairs(tok, rows, 64, 0.5)
-    for bad in (True, "1", float("nan"), None):
-        with pytest.raises(SystemExit, match=r"^error: d:1: field 'margin': expected a finite"):
+    for bad in (True, "1", float("nan"), None, 10**400, 1e39):  # 1e39: inf in float32
+        with pytest.raises(SystemExit, match=r"^error: d:1: field 'margin': expected a number fin"):
             train_rm.encode_pairs(tok, [("d:1", {**row, "margin": bad})], 64)
+    assert train_rm.encode_pairs(tok, [("d:1", {**row, "margin": -1})], 64)[0].margin == -1.0
 
 
 def test_micro_batches_add_up_to_the_global_mean():

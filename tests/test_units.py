@@ -309,7 +309,7 @@ def test_a_messages_row_is_an_example_per_assistant_turn(tmp_path):
         ),
         (
             {"prompt": "1+1=", "chosen": "2", "rejected": "3"},
-            r"d.jsonl:1: expected a string field 'response': a preference pair; held-out",
+            r"d.jsonl:1: expected a string field 'response': a preference pair; this file",
         ),
         (["1+1="], r"d.jsonl:1: expected a string field 'prompt'"),
         (
@@ -519,6 +519,32 @@ def trl(prompts, completions, **kwargs):  # TRL's batched shape
 
 def right(prompt, response, answer):  # a bool: a 0/1 reward
     return response == answer
+
+def np_right(prompt, response, answer):  # a NumPy bool
+    import numpy
+    return numpy.isclose(float(response), float(answer))
+
+def many(prompt, response):
+    return [1.0]
+
+def trl_keywords(*, prompts, completions, **kwargs):
+    return [0.0 for _ in completions]
+
+# the README's wrapper of a TRL reward function, on TRL's two documented shapes
+def trl_len(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+def trl_accuracy(completions, ground_truth, **kwargs):
+    return [float(c == g) for c, g in zip(completions, ground_truth)]
+
+def as_rule(trl_fn):
+    def score(prompt, response, **fields):
+        lists = {k: [v] for k, v in fields.items()}
+        return trl_fn(prompts=[prompt], completions=[response], **lists)[0]
+    return score
+
+wrapped_len = as_rule(trl_len)
+wrapped_accuracy = as_rule(trl_accuracy)
 """
 
 
@@ -568,6 +594,18 @@ def test_a_reward_rule_gets_the_rows_fields_it_names(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"reference_rules:trl\(prompts, .*a TRL reward function"):
         check("reference_rules:trl", "--reward_fn", [("d.jsonl:1", rows[0])])
     assert train_ppo.rule_scores("reference_rules:right", rows, ["42", "2"]).tolist() == [1, 0]
+    assert train_ppo.rule_scores("reference_rules:np_right", rows, ["42", "2"]).tolist() == [1, 0]
+    with pytest.raises(SystemExit, match=r"returned \[1.0\] for prompt .* \(one score: a rule"):
+        train_ppo.rule_scores("reference_rules:many", rows, ["", ""])
+    with pytest.raises(SystemExit, match=r"reference_rules:trl_keywords\(.*a TRL reward function"):
+        check("reference_rules:trl_keywords", "--reward_fn", [("d.jsonl:1", rows[0])])
+    truth = [{"prompt": "x", "ground_truth": "ab"}]
+    assert train_ppo.rule_scores("reference_rules:wrapped_len", truth, ["abc"]).tolist() == [3]
+    assert train_ppo.rule_scores("reference_rules:wrapped_accuracy", truth, ["ab"]).tolist() == [1]
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = " ".join(f.read().split())
+    assert "lists = {k: [v] for k, v in fields.items()}" in readme
+    assert "return trl_fn(prompts=[prompt], completions=[response], **lists)[0]" in readme
 
 
 def test_a_conversation_is_bounded_by_its_rendering_before_it_is_tokenised():
