@@ -1076,14 +1076,15 @@ def test_the_hf_engine_takes_persistent_buffers_at_a_weight_sync(tmp_path):
         actor = common.shard_model(AutoModelForCausalLM.from_pretrained(path), torch.device("cpu"))
         buffers = [n for n, _ in actor.named_buffers() if n in actor.state_dict()]
         assert buffers, "no persistent buffer: the case is not tested"
-        engine = rollout.build_engine("hf", path, 64, 0, [2])
+        # fp32 wherever it runs (on a machine with CUDA the engine is there, in bf16 by default)
+        engine = rollout.HFEngine(path, 64, 0, [2], dtype=torch.float32)
         with torch.no_grad():
             actor.get_buffer(buffers[0]).add_(0.5)
             actor.get_parameter("model.norm.weight").add_(0.25)
         rollout.sync_weights(engine, actor)
-        assert torch.equal(engine.model.get_buffer(buffers[0]), actor.get_buffer(buffers[0]))
+        assert torch.equal(engine.model.get_buffer(buffers[0]).cpu(), actor.get_buffer(buffers[0]))
         assert torch.equal(
-            engine.model.get_parameter("model.norm.weight"),
+            engine.model.get_parameter("model.norm.weight").cpu(),
             actor.get_parameter("model.norm.weight").full_tensor(),
         )
     finally:
