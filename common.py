@@ -757,10 +757,10 @@ def _load_jsonl(path, check_row):
         raise SystemExit(f"error: {path}: not a file (a folder or a device); expected JSONL")
     if not os.path.isfile(path):
         where = ""
-        if not os.path.isabs(path):  # launch.sh runs from the repository, not the caller's folder
-            where = f" (a relative path, read from {os.getcwd()})"
         if path.startswith("~"):  # quoted, or after '=': the shell left it as it is
             where = f" (a path starting with '~', which nothing expanded; read from {os.getcwd()})"
+        elif not os.path.isabs(path):  # launch.sh runs from the repository, not the caller's
+            where = f" (a relative path, read from {os.getcwd()})"
         raise SystemExit(f"error: {path}: no such file{where}")
     digest = hashlib.sha256()
     try:
