@@ -393,6 +393,29 @@ def print0(*parts):
         tqdm.write(" ".join(str(x) for x in parts))
 
 
+def print_plan(args, unit, n_train, n_held_out, per_step, step_name="steps"):
+    """Rank 0, once the data is loaded: one line saying what the run trains on, how many times
+    over, and what it evaluates on (a file that lost most of its rows upstream, or a missing
+    held-out set, shows here, not in a curve hours later); and a note when --warmup_steps is at
+    or past --max_steps. per_step: the `unit`s one step takes, over all ranks."""
+    source = args.data or "the embedded task"
+    epochs = args.max_steps * per_step / n_train
+    held_out = "no held-out evaluation"
+    if n_held_out:
+        held_out = f"{n_held_out:,} held out for evaluation"
+    print0(
+        f"data: {n_train:,} {unit} from {source} ({args.max_steps:,} {step_name} of {per_step:,}: "
+        f"{epochs:.3g} epochs); {held_out}"
+    )
+    if args.warmup_steps >= args.max_steps:
+        # transformers' warmup: step k (from 0) trains at lr * k / warmup_steps
+        peak = (args.max_steps - 1) / args.warmup_steps
+        print0(
+            f"note: --warmup_steps {args.warmup_steps} >= --max_steps {args.max_steps}: the "
+            f"learning rate rises for the whole run and ends at {peak:.0%} of its peak (--lr)"
+        )
+
+
 def global_sums(local, device):
     """Collective: {name: sum over ranks} of this rank's {name: number}. One all_reduce carries them
     all (in the order of the dict), so logging costs one collective per step. float64: a count
@@ -2020,7 +2043,32 @@ def make_local_dir(args):
     plain = os.path.normpath(path)  # "file/": exists() is False for a file with a trailing slash
     if os.path.lexists(plain) and not os.path.isdir(plain):
         raise SystemExit(f"error: {where}: not a folder (a file or link is there); give a folder")
+    missing = []  # the folders makedirs is about to make, deepest first
+    parent = os.path.abspath(plain)
+    while not os.path.lexists(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
     os.makedirs(path, exist_ok=True)
+    MADE_FOLDERS[:] = missing
+
+
+# The folders this process's `make_local_dir` made, deepest first: a run that fails before it has
+# written anything (bad data, a bad --model) takes them away again (`remove_empty_folders`), so a
+# typo in --data leaves no empty run folder behind to puzzle over or to --resume from.
+MADE_FOLDERS = []
+
+
+def remove_empty_folders():
+    """After a failed run: remove the folders `make_local_dir` made while they are still empty.
+    os.rmdir removes only an empty folder, so nothing written (a checkpoint, a log, another
+    run's file) is ever lost; the first folder with something in it stops the walk up."""
+    for path in MADE_FOLDERS:
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            continue  # another rank of this node removed it first
+        except OSError:
+            return  # not empty (or not ours to remove): it stays, and so do its parents
 
 
 def upload_logs(args):
@@ -2206,6 +2254,7 @@ def run(main, cls, limits):
         if line is None:
             raise
     print_error(line)
+    remove_empty_folders()
     if dist.is_initialized():  # the same shutdown hazard as after a finished run
         release_collectives()
     raise SystemExit(1)

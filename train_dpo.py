@@ -301,6 +301,7 @@ def main(args):
     export_generation_config = common.stopping_at(model.generation_config, stop_ids)
     model.generation_config = common.neutral_generation_config(stop_ids, tok.pad_token_id)
     train, held_out = load_data(args, tok, common.context_length(args.model, model.config))
+    common.print_plan(args, "pairs", len(train), len(held_out), args.train_batch_size)
     if args.gradient_checkpointing:
         common.checkpoint_activations(model)
     common.shard_model(model, device, reshard_after_forward=args.reshard_after_forward)

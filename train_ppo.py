@@ -1361,6 +1361,8 @@ def main(args):
         scheds[name] = get_linear_schedule_with_warmup(optim, args.warmup_steps, args.max_steps)
     context = common.context_length(args.model, models.actor.config)
     train, held_out = load_data(args, tok, context, models.reward_tokenizer)
+    per_step = args.rollout_batch_size
+    common.print_plan(args, "prompts", len(train), len(held_out), per_step, "iterations")
 
     stop_ids = common.stop_token_ids(tok, models.actor.generation_config)
     # the export stops where responses end (a chat template's end of turn may not be listed)

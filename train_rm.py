@@ -345,6 +345,7 @@ def main(args):
 
     model, tok = build_reward_model(args)
     train, held_out = load_data(args, tok, common.context_length(args.model, model.config))
+    common.print_plan(args, "pairs", len(train), len(held_out), args.train_batch_size)
     if args.gradient_checkpointing:
         common.checkpoint_activations(model)
     common.shard_model(model, device, reshard_after_forward=args.reshard_after_forward)

@@ -34,15 +34,21 @@ def test_a_short_sft_and_ppo_print_their_own_lines_only(tmp_path):
     args = ("--out_dir", sft, "--max_steps", 10, "--eval_every", 5, "--eval_samples", 8)
     status, lines = launch("sft", *args, "--train_batch_size", 16, "--micro_batch_size", 8)
     assert status == 0, "\n".join(lines)
-    # the bar (drawn around the evaluation lines), step 5 and step 10, the summary
-    assert_quiet(lines, 6)
+    # the data line, the warmup note (SFT's 30 warmup steps in a 10-step run), the bar (drawn
+    # around the evaluation lines), step 5 and step 10, the summary
+    assert_quiet(lines, 8)
+    plan = "data: 9,000 examples from the embedded task (10 steps of 16: 0.0178 epochs); 8 held out"
+    assert lines[0] == plan + " for evaluation", lines
+    note = "note: --warmup_steps 30 >= --max_steps 10: the learning rate rises for the whole run"
+    assert lines[1] == note + " and ends at 30% of its peak (--lr)", lines
     assert lines[-1].startswith("done: 10 steps"), lines
     args = ("--model", sft / "hf", "--out_dir", tmp_path / "ppo", "--rollout_engine", "vllm")
     args += ("--rollout_batch_size", 8, "--n_samples_per_prompt", 2, "--train_batch_size", 16)
     args += ("--micro_batch_size", 8, "--max_steps", 2, "--eval_every", 1, "--eval_samples", 8)
     status, lines = launch("ppo", *args)
     assert status == 0, "\n".join(lines)
-    assert_quiet(lines, 7)  # the bar, steps 0, 1 and 2, the summary
+    assert_quiet(lines, 8)  # the data line, the bar, steps 0, 1 and 2, the summary
+    assert lines[0].startswith("data: 9,000 prompts from the embedded task (2 iterations of 8:")
     assert lines[-1].startswith("done: 2 steps"), lines
 
 
@@ -55,6 +61,8 @@ def test_errors_of_two_ranks_are_two_lines(tmp_path):
     assert status == 1
     hint = ' (or a conversation: a list of {"role", "content"} messages)'
     assert lines == [f"error: {bad}:2: expected a string field 'prompt'{hint}"] * 2, lines
+    # the --out_dir the run made and never wrote to is gone again (`common.remove_empty_folders`)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_bad_flag_and_help_are_printed_once(tmp_path):

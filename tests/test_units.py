@@ -7,6 +7,7 @@ import os
 import pickle
 import random
 import shutil
+import types
 
 import numpy as np
 import pytest
@@ -1244,7 +1245,6 @@ def test_a_reward_models_own_head_is_kept_whatever_its_architectures_say(tmp_pat
     has none, found from what loaded: a trained reward model's head was overwritten when its
     config.json's "architectures" was a string or missing, and a causal LM whose config claimed
     a classifier kept the head transformers drew from each rank's own RNG."""
-    import types
 
     from transformers import AutoConfig
     from transformers import AutoModelForSequenceClassification
@@ -1275,3 +1275,42 @@ def test_a_reward_models_own_head_is_kept_whatever_its_architectures_say(tmp_pat
         torch.manual_seed(seed)  # another rank's RNG
         heads.append(train_rm.build_reward_model(args)[0].score.weight)
     assert torch.equal(heads[0], heads[1])
+
+
+def test_the_plan_line_and_the_warmup_note(capsys):
+    """`common.print_plan`: the data's size, epochs and held-out set in one line; a note only when
+    --warmup_steps reaches --max_steps, with the share of --lr the last step trains at
+    (transformers' warmup: step k from 0 at k / warmup_steps)."""
+    args = types.SimpleNamespace(data="d.jsonl", max_steps=10, warmup_steps=40)
+    common.print_plan(args, "pairs", 200, 0, 32)
+    lines = capsys.readouterr().out.splitlines()
+    plan = "data: 200 pairs from d.jsonl (10 steps of 32: 1.6 epochs); no held-out evaluation"
+    note = "note: --warmup_steps 40 >= --max_steps 10: the learning rate rises for the whole run"
+    assert lines == [plan, note + " and ends at 22% of its peak (--lr)"]
+    args = types.SimpleNamespace(data="", max_steps=150, warmup_steps=149)
+    common.print_plan(args, "prompts", 9000, 256, 64, "iterations")
+    lines = capsys.readouterr().out.splitlines()
+    plan = "data: 9,000 prompts from the embedded task (150 iterations of 64: 1.07 epochs)"
+    assert lines == [plan + "; 256 held out for evaluation"]
+
+
+def test_a_failed_start_removes_only_the_empty_folders_it_made(tmp_path):
+    """`common.make_local_dir` then `common.remove_empty_folders`, as a run that fails before
+    writing anything: the folders it made go, deepest first; a folder that was there before, or
+    one with a file in it, stays (and so do the folders above it)."""
+    (tmp_path / "there").mkdir()
+    out = tmp_path / "there" / "a" / "b" / "run"
+    common.make_local_dir(types.SimpleNamespace(out_dir=str(out)))
+    assert out.is_dir()
+    common.remove_empty_folders()
+    assert sorted(os.listdir(tmp_path)) == ["there"]
+    assert os.listdir(tmp_path / "there") == []
+    common.make_local_dir(types.SimpleNamespace(out_dir=str(out)))
+    (out.parent / "file").write_text("kept")
+    common.remove_empty_folders()
+    assert not out.exists()
+    assert (out.parent / "file").read_text() == "kept"
+    # a folder that existed before the run is not the run's to remove, empty or not
+    common.make_local_dir(types.SimpleNamespace(out_dir=str(out.parent)))
+    common.remove_empty_folders()
+    assert out.parent.is_dir()
