@@ -90,6 +90,10 @@ class Args(common.RunArgs):
     advantage_estimator: typing.Literal["gae", "grpo", "rloo"] = "gae"
     """gae (critic + GAE), grpo (group mean/std baseline, no critic) or rloo (leave-one-out, no
     critic)"""
+    scale_rewards: typing.Literal["group", "batch", "none"] = "group"
+    """grpo only: what a group's centred scores are divided by: group, the group's std (Shao et
+    al. 2024, eq. 3); batch, the whole batch's std (Liu et al. 2025, "Tricks or Traps"); none,
+    nothing (Dr. GRPO, Liu et al. 2025). As TRL's scale_rewards"""
     gamma: float = 1.0
     """GAE discount [N policy #6]"""
     lam: float = 0.95
@@ -270,16 +274,44 @@ def sequence_rewards(scores, kl, kl_coef):
     return scores - kl_coef * kl.sum(1)
 
 
-def group_advantages(scores, kind):
+def group_advantages(scores, kind, scale="group", batch_std=None):
     """Critic-free baselines over each prompt's n samples, scores [G, n] -> advantages [G, n].
     grpo: (s - mean) / (std + 1e-4) of the group (Shao et al. 2024, eq. 3, outcome supervision);
     the std unbiased (n - 1), as TRL's (OpenRLHF adds 1e-9): at n = 2, scores {1, 0} give
-    +-0.707, not the +-1 a biased std gives;
+    +-0.707, not the +-1 a biased std gives. `scale` (--scale_rewards, as TRL's scale_rewards)
+    says which std: "group", each group's own (eq. 3); "batch", one std of the whole batch's
+    scores, `batch_std` (these G * n when not given) (Liu et al. 2025, "Tricks or Traps", arXiv
+    2508.08221: the group's mean, the batch's std; a group whose samples nearly agree has a std
+    near 0, and dividing by it magnifies their small differences, a learned reward's noise among
+    wrong answers above all); "none", no division (Dr. GRPO, Liu et al. 2025, arXiv 2503.20783,
+    sec. 3.1: the division weighs most the prompts the policy nearly always or never gets right).
     rloo: s - mean of the other n-1 samples (Ahmadian et al. 2024, eq. 6)."""
     n = scores.shape[1]
-    if kind == "grpo":
-        return (scores - scores.mean(1, keepdim=True)) / (scores.std(1, keepdim=True) + 1e-4)
-    return scores - (scores.sum(1, keepdim=True) - scores) / (n - 1)
+    if kind == "rloo":
+        return scores - (scores.sum(1, keepdim=True) - scores) / (n - 1)
+    centred = scores - scores.mean(1, keepdim=True)  # [G, n]
+    if scale == "none":
+        return centred
+    std = scores.std(1, keepdim=True)  # [G, 1]
+    if scale == "batch" and batch_std is None:
+        std = scores.std()
+    elif scale == "batch":
+        std = batch_std
+    return centred / (std + 1e-4)
+
+
+def batch_std(scores, device):
+    """Collective: the unbiased std of the global batch's scores, every rank's [B] together, as
+    TRL's scale_rewards="batch" takes it (over the rewards gathered from every process). Each
+    rank holds its prompts' groups whole, but the batch is all of them: one all_reduce of the
+    count, the sum and the sum of squares (float64, `common.global_sums`)."""
+    scores = scores.double()
+    totals = common.global_sums(
+        {"n": len(scores), "sum": scores.sum(), "squares": (scores**2).sum()}, device
+    )
+    n = totals["n"]
+    variance = (totals["squares"] - totals["sum"] ** 2 / n) / max(n - 1, 1)
+    return math.sqrt(max(variance, 0.0))  # (rounding can take a variance of 0 just below it)
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, n_tokens, cliprange_high=None):
@@ -689,6 +721,11 @@ def check_args(args, world):
             f"prompt: expected --n_samples_per_prompt >= 2, got {n}"
         )
     check_gae_only_flags(args)
+    if args.scale_rewards != "group" and args.advantage_estimator != "grpo":
+        raise SystemExit(
+            f"error: --scale_rewards {args.scale_rewards} applies to --advantage_estimator grpo "
+            f"only; {args.advantage_estimator} divides its advantages by no std"
+        )
 
 
 def check_reward_flags(args):
@@ -1103,7 +1140,11 @@ def compute_advantages(args, exp, scores, order, kl_coef):
     prompt_major = torch.empty_like(scores)
     prompt_major[order] = rewards
     groups = prompt_major.view(-1, args.n_samples_per_prompt)  # [prompts, n]
-    advantages = group_advantages(groups, args.advantage_estimator).flatten()[order]  # [B]
+    std = None
+    if args.scale_rewards == "batch":
+        std = batch_std(rewards, rewards.device)  # over every rank's groups
+    advantages = group_advantages(groups, args.advantage_estimator, args.scale_rewards, std)
+    advantages = advantages.flatten()[order]  # [B], back in the rows' order
     exp.advantages = advantages[:, None] * mask
 
 

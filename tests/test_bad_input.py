@@ -533,6 +533,19 @@ def test_gae_only_flags_with_grpo_are_refused():
     train_ppo.check_gae_only_flags(train_ppo.Args(gamma=0.99))  # gae takes them
 
 
+@pytest.mark.parametrize("estimator", ["gae", "rloo"])
+def test_scale_rewards_outside_grpo_is_refused(estimator):
+    """--scale_rewards picks grpo's std; gae whitens its advantages and rloo divides by none, so
+    the flag would do nothing there."""
+    import train_ppo
+
+    args = train_ppo.Args(advantage_estimator=estimator, scale_rewards="none")
+    line = f"--scale_rewards none applies to --advantage_estimator grpo only; {estimator} "
+    with pytest.raises(SystemExit, match=line):
+        train_ppo.check_args(args, 1)
+    train_ppo.check_args(train_ppo.Args(advantage_estimator="grpo", scale_rewards="batch"), 1)
+
+
 def test_a_reward_model_input_longer_than_its_context(tmp_path):
     """PPO re-encodes each response with the reward model's own tokenizer, so the policy's context
     check (prompt + --max_new_tokens) does not bound it. Past its context a learned position table

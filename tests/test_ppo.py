@@ -98,14 +98,18 @@ def test_ppo_trains(straight, sft_model):
         assert all(r[f"time/{k}_s"] >= 0 for k in phases)
 
 
-@pytest.mark.parametrize("estimator", ["gae", "grpo", "rloo"])
+@pytest.mark.parametrize("estimator", ["gae", "grpo", "rloo", "grpo-batch"])
 def test_each_estimator_raises_the_score_it_is_given(tmp_path, sft_model, estimator):
     """The optimisation itself, which the tests of one step's numbers cannot see: under each
     advantage estimator a reward the tiny model can learn (the share of '1's in its answer,
     tests/learnable.py; ~0.25 at the SFT model) climbs within 12 iterations (to ~0.6). It fails
     if the scores reach other responses than those they were given for (a shuffle across ranks,
-    rows or epochs), or if the update climbs the wrong way."""
+    rows or epochs), or if the update climbs the wrong way. grpo-batch: GRPO with the batch's
+    std (--scale_rewards batch, a collective in the advantages)."""
+    estimator, _, scale = estimator.partition("-")
     args = ("--model", sft_model, "--out_dir", tmp_path, "--advantage_estimator", estimator)
+    if scale:
+        args += ("--scale_rewards", scale)
     args += ("--reward_fn", "tests.learnable:ones", "--rollout_batch_size", 16)
     args += ("--n_samples_per_prompt", 4, "--train_batch_size", 32, "--micro_batch_size", 16)
     args += ("--max_new_tokens", 6, "--max_steps", 12, "--eval_every", 0, "--save_every", 100)
@@ -118,6 +122,32 @@ def test_each_estimator_raises_the_score_it_is_given(tmp_path, sft_model, estima
     # batch's 0.17-0.32 by the seed; after 12 iterations 0.56-0.64 at seeds 1, 2, 3 and 42 (one
     # AMD EPYC), and 0.13-0.24 with the scores rolled by one row (a mutation, checked by hand)
     assert last > 0.45, scores
+
+
+def test_the_batch_std_is_the_whole_batchs_over_ranks(tmp_path):
+    """--scale_rewards batch divides by the std of every rank's scores together
+    (`train_ppo.py: batch_std`), as TRL's over its gathered batch: a rank holds only its own
+    prompts' groups, and its own std would make the advantages depend on how the batch is split
+    over ranks."""
+    script = tmp_path / "check.py"
+    script.write_text(
+        "import statistics\n"
+        "import sys\n"
+        f"sys.path.insert(0, {REPO!r})\n"
+        "import torch\n"
+        "import torch.distributed as dist\n"
+        "import train_ppo\n"
+        "dist.init_process_group('gloo')\n"
+        "every = [[1.0, 0.0, 0.0, 1.0], [3.0, 3.0, 2.5, 7.0, 1.0, 0.5]]\n"
+        "mine = torch.tensor(every[dist.get_rank()])\n"
+        "got = train_ppo.batch_std(mine, torch.device('cpu'))\n"
+        "want = statistics.stdev(every[0] + every[1])\n"
+        "assert abs(got - want) < 1e-12, (got, want)\n"
+        "print('same', got)\n"
+        "dist.destroy_process_group()\n"
+    )
+    p = run(str(script))
+    assert p.stdout.count("same") == 2, p.stdout
 
 
 def test_ppo_resume_is_exact(tmp_path, straight, sft_model):

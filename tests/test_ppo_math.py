@@ -1,6 +1,7 @@
 """PPO math against hand-computed values (Tier 1, in-process; whitening uses a 1-rank group)."""
 
 import math
+import types
 
 import pytest
 import torch
@@ -145,6 +146,48 @@ def test_group_baselines():
     assert torch.allclose(ppo.group_advantages(s, "rloo"), t([[2 / 3, -2 / 3, -2 / 3, 2 / 3]]))
     # no signal, no NaN
     assert torch.allclose(ppo.group_advantages(t([[1.0, 1.0]]), "grpo"), t([[0.0, 0.0]]))
+
+
+def test_group_baselines_scaled_by_the_batch_or_not_at_all():
+    """--scale_rewards: the group's mean always; the group's std (eq. 3), the whole batch's, or
+    none (Dr. GRPO). Two groups, 1 0 0 1 and 1 1 1 0: centred 0.5 -0.5 -0.5 0.5 and 0.25 0.25
+    0.25 -0.75; the batch's five 1s and three 0s have the unbiased variance
+    (5 (3/8)^2 + 3 (5/8)^2) / 7 = 120 / 448."""
+    s = t([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
+    centred = t([[0.5, -0.5, -0.5, 0.5], [0.25, 0.25, 0.25, -0.75]])
+    assert torch.allclose(ppo.group_advantages(s, "grpo", "none"), centred)
+    batch = ppo.group_advantages(s, "grpo", "batch")
+    assert torch.allclose(batch, centred / (math.sqrt(120 / 448) + 1e-4))
+    # the std of every rank's scores, given (`batch_std`): it alone divides
+    given = ppo.group_advantages(s, "grpo", "batch", batch_std=2.0)
+    assert torch.allclose(given, centred / 2.0001)
+    group = ppo.group_advantages(s, "grpo", "group")
+    stds = t([[math.sqrt(1 / 3)], [0.5]])  # unbiased: 1 0 0 1, and 1 1 1 0
+    assert torch.allclose(group, centred / (stds + 1e-4))
+    # in one rank's process, batch_std is that std too (a 1-rank group)
+    assert ppo.batch_std(s.flatten(), torch.device("cpu")) == pytest.approx(math.sqrt(120 / 448))
+    # a batch whose scores all agree: no advantage, no NaN
+    same = t([[2.0, 2.0], [2.0, 2.0]])
+    assert torch.equal(ppo.group_advantages(same, "grpo", "batch"), torch.zeros(2, 2))
+    assert ppo.batch_std(same.flatten(), torch.device("cpu")) == 0.0
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_compute_advantages_divides_as_scale_rewards_says(scale):
+    """The flag reaches the advantages: one group of 1 0 0 1 and one of 1 1 1 0, its rows in a
+    shuffled order as the phase gets them, each row's advantage on each of its tokens."""
+    scores = t([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0])  # prompt-major
+    order = torch.tensor([3, 0, 7, 5, 1, 6, 2, 4])  # row i holds sample order[i]
+    mask = t([[1, 1]] * 8)
+    exp = types.SimpleNamespace(old_logprobs=None, ref_logprobs=None)
+    exp.batch = types.SimpleNamespace(response_mask=mask)
+    args = ppo.Args(advantage_estimator="grpo", n_samples_per_prompt=4, scale_rewards=scale)
+    ppo.compute_advantages(args, exp, scores[order], order, 0.0)
+    want = ppo.group_advantages(scores.view(2, 4), "grpo", scale).flatten()[order]
+    assert torch.allclose(exp.advantages, want[:, None] * mask)
+    centred = t([0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75])[order]
+    # only Dr. GRPO leaves them undivided (group: stds 0.58 and 0.5; batch: 0.52)
+    assert torch.allclose(exp.advantages[:, 0], centred) == (scale == "none")
 
 
 def test_eos_penalty():
