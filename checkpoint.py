@@ -1558,6 +1558,26 @@ def _choose(paths, resume):
     return "", None
 
 
+# Flags a resume must keep that checkpoints written before them lack, with the value those runs
+# had in effect: such a checkpoint resumes under the default, and is refused under another value.
+NEWER_FLAGS = {"chat_template_kwargs": ""}
+
+
+def _same_settings(path, saved_args, args, must_match):
+    """The flags in `must_match` as the checkpoint's run had them (its meta.json's args), or one
+    line listing each that differs."""
+    diff = []
+    for k in must_match:
+        # a flag newer than the checkpoint: it was written with the flag's default
+        saved = saved_args.get(k, NEWER_FLAGS.get(k))
+        if saved != args[k]:
+            diff.append(f"--{k} {saved!r} -> {args[k]!r}")
+    if diff:
+        raise CheckpointError(
+            f"{path} was saved by a different run; differing settings: {', '.join(diff)}"
+        )
+
+
 def load(path, roles, args, must_match, frozen=None, folders=None):
     """Collective: every role's model and optimizer in place, then this rank's RNG (so call it
     after anything that draws from the RNG: engines, iterators); returns meta.json.
@@ -1566,14 +1586,7 @@ def load(path, roles, args, must_match, frozen=None, folders=None):
     folders: {flag: common.folder_identity} of every folder this run loaded a model from, checked
     the same way (config, generation config, tokenizer)."""
     meta = read_meta(path)  # resolve() verified the whole checkpoint already
-    diff = []
-    for k in must_match:
-        if meta["args"].get(k) != args[k]:
-            diff.append(f"--{k} {meta['args'].get(k)!r} -> {args[k]!r}")
-    if diff:
-        raise CheckpointError(
-            f"{path} was saved by a different run; differing settings: {', '.join(diff)}"
-        )
+    _same_settings(path, meta["args"], args, must_match)
     for flag, sums in (frozen or {}).items():
         _same_frozen_weights(path, meta.get("frozen", {}).get(flag), sums, f"--{flag}", args)
     for flag, identity in (folders or {}).items():

@@ -123,6 +123,11 @@ class RunArgs:
     stop_at_step: int = 0
     """save and exit after this step (PPO: iteration), as a preempted run would (for testing
     resume); 0: never"""
+    chat_template_kwargs: str = ""
+    """a JSON object of extra variables for the chat template, as TRL's and vLLM's
+    chat_template_kwargs: '{"enable_thinking": false}' renders Qwen3's prompts in its
+    non-thinking mode. Every prompt of the run renders with them (PPO: the reward model's too);
+    give the same to every stage of a pipeline"""
 
 
 # What RunArgs' numbers may be (`check_limits`); a stage's LIMITS adds its own flags'.
@@ -237,6 +242,10 @@ def parse_args(cls, limits):
         except objstore.StoreError as e:
             raise SystemExit(f"error: --{flag} {e}")
     check_limits(args, {**RUN_LIMITS, **limits})
+    # one spelling of the object, so a resume compares what it says, not its spaces
+    kwargs = parse_chat_template_kwargs(args.chat_template_kwargs)
+    if kwargs:
+        args.chat_template_kwargs = json.dumps(kwargs, sort_keys=True)
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise SystemExit(
             "error: --tensorboard needs the tensorboard package: pip install tensorboard"
@@ -247,6 +256,38 @@ def parse_args(cls, limits):
 
 
 COMPARISONS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+
+
+def parse_chat_template_kwargs(text):
+    """--chat_template_kwargs as a dict ('' is none): a JSON object whose keys are the template's
+    variables. A key apply_chat_template takes itself (`tokenize`, `add_generation_prompt`)
+    would clash with plainrlhf's own use of it: refused, as anything not an object is."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise SystemExit(f"error: --chat_template_kwargs {text}: not valid JSON ({e})")
+    if not isinstance(value, dict):
+        raise SystemExit(
+            f"error: --chat_template_kwargs {text}: expected a JSON object of the template's "
+            "variables, such as '{\"enable_thinking\": false}'"
+        )
+    own = inspect.signature(transformers.PreTrainedTokenizerBase.apply_chat_template).parameters
+    clashes = sorted(key for key in value if key in own)
+    if clashes:
+        raise SystemExit(
+            f"error: --chat_template_kwargs {text}: {clashes[0]!r} is an argument of "
+            "apply_chat_template itself, which plainrlhf sets; give the template's own variables"
+        )
+    return value
+
+
+# The chat template's extra variables (--chat_template_kwargs), the same for every prompt of a
+# run: set once from the flags (`run`) before anything renders. A setting of the process, like the
+# console's: every rendering goes through `render_prompt` (and the two checks of a template),
+# and a constant threaded through each stage's encoders would say no more.
+CHAT_TEMPLATE_KWARGS = {}
 
 
 def check_limits(args, limits):
@@ -858,10 +899,25 @@ def _check_rows(path, check_row, lines, digest):
         except RecursionError:  # `[[[[...` 100,000 deep: the parser's recursion, not a row
             raise SystemExit(f"error: {path}:{n}: not valid JSON (nested too deeply)")
         check_row(f"{path}:{n}", row)
+        check_row_template_kwargs(f"{path}:{n}", row)
         rows.append((f"{path}:{n}", row))
     if not rows:
         raise SystemExit(f"error: {path}: no examples")
     return rows
+
+
+def check_row_template_kwargs(where, row):
+    """TRL reads a row's own "chat_template_kwargs"; here every prompt renders with the flag's
+    (`CHAT_TEMPLATE_KWARGS`): a row whose own differ is one line, not a prompt rendered otherwise
+    than its data says, silently. Rows that all carry the flag's are fine."""
+    if "chat_template_kwargs" not in row or row["chat_template_kwargs"] == CHAT_TEMPLATE_KWARGS:
+        return
+    given = json.dumps(CHAT_TEMPLATE_KWARGS)
+    raise SystemExit(
+        f"error: {where}: 'chat_template_kwargs' {json.dumps(row['chat_template_kwargs']):.200} "
+        f"differ from --chat_template_kwargs ({given}), which every prompt renders with; give "
+        "the row's as the flag (one setting for the whole run)"
+    )
 
 
 def check_field(where, row, field):
@@ -1206,7 +1262,9 @@ def render_prompt(tok, prompt, where, tokenize):
         )
     messages = chat_messages(prompt)
     try:
-        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize)
+        return tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=tokenize, **CHAT_TEMPLATE_KWARGS
+        )
     except Exception as e:  # jinja's TemplateError, or what a filter raised: the template's
         raise SystemExit(
             f"error: {where}: the chat template fails on this prompt ({checkpoint.describe(e)})"
@@ -1653,7 +1711,9 @@ def check_chat_template(tok, path, flag):
         return
     user = [{"role": "user", "content": "1+1="}]
     try:
-        tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+        tok.apply_chat_template(
+            user, add_generation_prompt=True, tokenize=False, **CHAT_TEMPLATE_KWARGS
+        )
     except Exception as e:
         raise SystemExit(
             f"error: {flag} {path}: its chat template fails on a user turn "
@@ -1908,7 +1968,7 @@ def _response_end_id(tok, chat_template):
         {"role": "assistant", "content": RESPONSE_MARK},
     ]
     try:
-        text = tok.apply_chat_template(messages, tokenize=False)
+        text = tok.apply_chat_template(messages, tokenize=False, **CHAT_TEMPLATE_KWARGS)
     except Exception:  # jinja's TemplateError: a template that renders no assistant turn
         return tok.eos_token_id
     if RESPONSE_MARK not in text:
@@ -1976,6 +2036,8 @@ def resume(args, roles, sched, must_match, frozen=None, folders=None):
     final = checkpoint.resolve(args.out_dir, args.resume)
     if not final:
         return 0, None
+    # the template's variables decide every example's tokens, in every stage
+    must_match = must_match + ["chat_template_kwargs"]
     meta = checkpoint.load(final, roles, vars(args), must_match, frozen, folders)
     checkpoint.restore_scheduler(sched, meta.get("scheduler"), f"{final}/meta.json")
     print0(f"resumed from {final} at step {meta['step']}")
@@ -2232,6 +2294,8 @@ def run(main, cls, limits):
     try:
         args = parse_once_per_node(cls, limits)
         quiet_console(args.verbose)
+        CHAT_TEMPLATE_KWARGS.clear()
+        CHAT_TEMPLATE_KWARGS.update(parse_chat_template_kwargs(args.chat_template_kwargs))
         main(args)
         release_collectives()
         return

@@ -1383,6 +1383,7 @@ MUST_MATCH = [
     "reward_fn",
     "reward_model",
     "reward_norm",
+    "chat_template_kwargs",  # the prompts' tokens
 ]
 
 

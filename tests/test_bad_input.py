@@ -9,6 +9,8 @@ import pytest
 
 from conftest import CPU_ONLY
 from conftest import REPO
+from conftest import latest
+from conftest import rewrite_manifest
 from conftest import run_py
 
 
@@ -165,6 +167,34 @@ def test_resume_with_changed_settings(tmp_path):
         "--train_batch_size 8 -> 16",
         "--micro_batch_size 8 -> 4",
     )
+    # --chat_template_kwargs decides every prompt's tokens: kept on a resume, and a checkpoint
+    # from before the flag (no such setting in its meta.json: `checkpoint.NEWER_FLAGS`) counts
+    # as written under its default, '', whose resume goes on
+    thinking = ("--chat_template_kwargs", '{"enable_thinking":false}')
+    p = run_py("train_sft.py", *args, "--resume", "latest", *thinking)
+    assert_one_line_error(p, "--chat_template_kwargs '' -> '{\"enable_thinking\": false}'")
+    ckpt = latest(tmp_path)
+    meta = json.load(open(os.path.join(ckpt, "meta.json")))
+    del meta["args"]["chat_template_kwargs"]
+    json.dump(meta, open(os.path.join(ckpt, "meta.json"), "w"))
+    rewrite_manifest(ckpt)
+    p = run_py("train_sft.py", *args, "--resume", "latest", *thinking)
+    assert_one_line_error(p, "--chat_template_kwargs '' -> '{\"enable_thinking\": false}'")
+    assert run_py("train_sft.py", *args, "--resume", "latest").returncode == 0
+
+
+@pytest.mark.parametrize(
+    "given,needle",
+    [
+        ("{enable_thinking: false}", "--chat_template_kwargs {enable_thinking: false}: not valid"),
+        ('["enable_thinking"]', "expected a JSON object of the template's variables"),
+        ('{"tokenize": true}', "'tokenize' is an argument of apply_chat_template itself"),
+    ],
+)
+def test_bad_chat_template_kwargs(tmp_path, given, needle):
+    p = run_py("train_sft.py", "--out_dir", tmp_path / "out", "--chat_template_kwargs", given)
+    assert_one_line_error(p, needle)
+    assert not (tmp_path / "out").exists()  # refused with the flags, before any folder is made
 
 
 REWARDS = """

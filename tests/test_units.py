@@ -1314,3 +1314,44 @@ def test_a_failed_start_removes_only_the_empty_folders_it_made(tmp_path):
     common.make_local_dir(types.SimpleNamespace(out_dir=str(out.parent)))
     common.remove_empty_folders()
     assert out.parent.is_dir()
+
+
+THINKING_TEMPLATE = (
+    "{%- for m in messages %}{{- m.role + ': ' + m.content + ' ' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- 'assistant: ' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think></think>' }}"
+    "{%- endif %}{%- endif %}"
+)
+
+
+def test_chat_template_kwargs_reach_every_rendering(monkeypatch):
+    """--chat_template_kwargs (`common.CHAT_TEMPLATE_KWARGS`): Qwen3's switch, a template variable,
+    reaches the prompt's text and ids, and so what SFT trains on; a template that needs the
+    variable passes the load's check only with it; a data row's own kwargs must agree with the
+    flag's (TRL reads them per row)."""
+    from transformers import AutoTokenizer
+
+    task.ensure_tiny_model()
+    tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
+    tok.chat_template = THINKING_TEMPLATE
+    assert common.prompt_text(tok, "1+1=") == "user: 1+1= assistant: "
+    row = {"prompt": "1+1=", "chat_template_kwargs": {"enable_thinking": False}}
+    with pytest.raises(SystemExit, match=r"d.jsonl:1: 'chat_template_kwargs' \{\"enable_thinking"):
+        common.check_row_template_kwargs("d.jsonl:1", row)
+    monkeypatch.setitem(common.CHAT_TEMPLATE_KWARGS, "enable_thinking", False)
+    common.check_row_template_kwargs("d.jsonl:1", row)  # the same as the flag's: fine
+    thinking = "user: 1+1= assistant: <think></think>"
+    assert common.prompt_text(tok, "1+1=") == thinking
+    ids = common.encode_prompt(tok, "1+1=", "d.jsonl:1")
+    assert tok.decode(ids) == thinking
+    example = train_sft.encode(tok, {"prompt": "1+1=", "response": "2"}, 128, "d.jsonl:1")
+    assert example[0][: len(ids)] == ids and example[1] == len(ids)
+    # a template that needs the variable: refused at load without it, fine with it
+    tok.chat_template = (
+        "{%- if enable_thinking is not defined %}{{ raise_exception('no switch') }}{%- endif %}"
+        + THINKING_TEMPLATE
+    )
+    common.check_chat_template(tok, "m", "--model")
+    monkeypatch.delitem(common.CHAT_TEMPLATE_KWARGS, "enable_thinking")
+    with pytest.raises(SystemExit, match="--model m: its chat template fails on a user turn"):
+        common.check_chat_template(tok, "m", "--model")
