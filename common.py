@@ -242,8 +242,9 @@ def parse_args(cls, limits):
         except objstore.StoreError as e:
             raise SystemExit(f"error: --{flag} {e}")
     check_limits(args, {**RUN_LIMITS, **limits})
-    # one spelling of the object, so a resume compares what it says, not its spaces
+    # one spelling of the object, so a resume compares what it says, not its spaces ('{}' is '')
     kwargs = parse_chat_template_kwargs(args.chat_template_kwargs)
+    args.chat_template_kwargs = ""
     if kwargs:
         args.chat_template_kwargs = json.dumps(kwargs, sort_keys=True)
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
@@ -265,7 +266,7 @@ def parse_chat_template_kwargs(text):
     if not text:
         return {}
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=unique_keys)  # a key twice: refused
     except ValueError as e:
         raise SystemExit(f"error: --chat_template_kwargs {text}: not valid JSON ({e})")
     if not isinstance(value, dict):
@@ -441,19 +442,22 @@ def print_plan(args, unit, n_train, n_held_out, per_step, step_name="steps"):
     or past --max_steps. per_step: the `unit`s one step takes, over all ranks."""
     source = args.data or "the embedded task"
     epochs = args.max_steps * per_step / n_train
+    passes = f"{epochs:.3g}"
+    if epochs >= 1000:
+        passes = f"{epochs:,.0f}"  # 1,234, not 1.23e+03
     held_out = "no held-out evaluation"
     if n_held_out:
         held_out = f"{n_held_out:,} held out for evaluation"
     print0(
         f"data: {n_train:,} {unit} from {source} ({args.max_steps:,} {step_name} of {per_step:,}: "
-        f"{epochs:.3g} epochs); {held_out}"
+        f"{passes} epochs); {held_out}"
     )
     if args.warmup_steps >= args.max_steps:
         # transformers' warmup: step k (from 0) trains at lr * k / warmup_steps
         peak = (args.max_steps - 1) / args.warmup_steps
         print0(
             f"note: --warmup_steps {args.warmup_steps} >= --max_steps {args.max_steps}: the "
-            f"learning rate rises for the whole run and ends at {peak:.0%} of its peak (--lr)"
+            f"learning rate rises for the whole run and ends at {peak:.0%} of its peak"
         )
 
 
@@ -1706,12 +1710,20 @@ def check_chat_template(tok, path, flag):
     prompt: one that raises (a `raise_exception` call, bad Jinja syntax, a number where the
     template belongs) would otherwise fail at the first prompt with a traceback. (A template
     that refuses a closing assistant turn is fine: `_response_end_id` then ends responses with
-    EOS.)"""
+    EOS.) --chat_template_kwargs for a --model without a template would do nothing: refused;
+    ones that change nothing in its rendering of a user turn (a misspelt variable, or one given
+    its default) are noted."""
+    given = json.dumps(CHAT_TEMPLATE_KWARGS)
+    if not tok.chat_template and CHAT_TEMPLATE_KWARGS and flag == "--model":
+        raise SystemExit(
+            f"error: --chat_template_kwargs {given}: {flag} {path}'s tokenizer has no chat "
+            "template to take them (its prompts are tokenized as they are)"
+        )
     if not tok.chat_template:
         return
     user = [{"role": "user", "content": "1+1="}]
     try:
-        tok.apply_chat_template(
+        text = tok.apply_chat_template(
             user, add_generation_prompt=True, tokenize=False, **CHAT_TEMPLATE_KWARGS
         )
     except Exception as e:
@@ -1719,6 +1731,16 @@ def check_chat_template(tok, path, flag):
             f"error: {flag} {path}: its chat template fails on a user turn "
             f"({checkpoint.describe(e)})"
         )
+    if CHAT_TEMPLATE_KWARGS and flag == "--model":
+        try:
+            plain = tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+        except Exception:  # a template that needs them: they change what it renders
+            plain = None
+        if text == plain:
+            print0(
+                f"note: --chat_template_kwargs {given} change nothing in how {path}'s chat "
+                "template renders a user turn (a variable it does not read, or its default)"
+            )
 
 
 def check_generation_config(path, model, flag):
@@ -1956,11 +1978,11 @@ def response_end_id(tok):
         # "default" and "tool_use"): transformers renders the "default" one; the cache needs
         # a hashable key
         template = tuple(sorted(template.items()))
-    return _response_end_id(tok, template)
+    return _response_end_id(tok, template, json.dumps(CHAT_TEMPLATE_KWARGS, sort_keys=True))
 
 
-@functools.cache  # per tokenizer and template (SFT asks once per example)
-def _response_end_id(tok, chat_template):
+@functools.cache  # per tokenizer, template and its variables (SFT asks once per example)
+def _response_end_id(tok, chat_template, kwargs_key):
     if not chat_template:
         return tok.eos_token_id
     messages = [
@@ -2296,6 +2318,7 @@ def run(main, cls, limits):
         quiet_console(args.verbose)
         CHAT_TEMPLATE_KWARGS.clear()
         CHAT_TEMPLATE_KWARGS.update(parse_chat_template_kwargs(args.chat_template_kwargs))
+        MADE_FOLDERS.clear()  # (a process that runs twice: a test) none of an earlier run's
         main(args)
         release_collectives()
         return

@@ -284,7 +284,9 @@ def group_advantages(scores, kind, scale="group", batch_std=None):
     2508.08221: the group's mean, the batch's std; a group whose samples nearly agree has a std
     near 0, and dividing by it magnifies their small differences, a learned reward's noise among
     wrong answers above all); "none", no division (Dr. GRPO, Liu et al. 2025, arXiv 2503.20783,
-    sec. 3.1: the division weighs most the prompts the policy nearly always or never gets right).
+    sec. 3.1: the division weighs most the prompts the policy nearly always or never gets right;
+    Dr. GRPO's other change, a constant in place of the token count in the loss's mean, is not
+    made: `policy_loss` averages over the global batch's tokens, as DAPO and TRL's default).
     rloo: s - mean of the other n-1 samples (Ahmadian et al. 2024, eq. 6)."""
     n = scores.shape[1]
     if kind == "rloo":

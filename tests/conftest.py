@@ -355,3 +355,13 @@ class NoKeep(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask, use_cache, position_ids=None):
         return self.inner(input_ids, attention_mask, position_ids=position_ids)
+
+
+# A chat template that reads Qwen3's switch: `enable_thinking` false adds an empty think block after
+# the generation prompt (--chat_template_kwargs). Spaces, not newlines: the tiny model has none.
+THINKING_TEMPLATE = (
+    "{%- for m in messages %}{{- m.role + ': ' + m.content + ' ' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- 'assistant: ' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think></think>' }}"
+    "{%- endif %}{%- endif %}"
+)

@@ -7,8 +7,10 @@ import subprocess
 
 import pytest
 
+import task
 from conftest import CPU_ONLY
 from conftest import REPO
+from conftest import THINKING_TEMPLATE
 from conftest import latest
 from conftest import rewrite_manifest
 from conftest import run_py
@@ -167,13 +169,24 @@ def test_resume_with_changed_settings(tmp_path):
         "--train_batch_size 8 -> 16",
         "--micro_batch_size 8 -> 4",
     )
-    # --chat_template_kwargs decides every prompt's tokens: kept on a resume, and a checkpoint
-    # from before the flag (no such setting in its meta.json: `checkpoint.NEWER_FLAGS`) counts
-    # as written under its default, '', whose resume goes on
+
+
+def test_resume_keeps_the_chat_template_kwargs(tmp_path):
+    """--chat_template_kwargs decides every prompt's tokens: kept on a resume, and a checkpoint
+    from before the flag (no such setting in its meta.json: `checkpoint.NEWER_FLAGS`) counts as
+    written under its default, '', whose resume goes on. The tiny model with a template that
+    reads Qwen3's switch (`tests/test_units.py: THINKING_TEMPLATE`)."""
+    task.ensure_tiny_model()
+    model = tmp_path / "model"
+    shutil.copytree(task.TINY_MODEL, model)
+    (model / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    args = ("--model", model, "--out_dir", tmp_path / "out", "--max_steps", 1)
+    args += ("--train_batch_size", 8, "--micro_batch_size", 8, "--eval_samples", 8)
+    assert run_py("train_sft.py", *args).returncode == 0
     thinking = ("--chat_template_kwargs", '{"enable_thinking":false}')
     p = run_py("train_sft.py", *args, "--resume", "latest", *thinking)
     assert_one_line_error(p, "--chat_template_kwargs '' -> '{\"enable_thinking\": false}'")
-    ckpt = latest(tmp_path)
+    ckpt = latest(tmp_path / "out")
     meta = json.load(open(os.path.join(ckpt, "meta.json")))
     del meta["args"]["chat_template_kwargs"]
     json.dump(meta, open(os.path.join(ckpt, "meta.json"), "w"))
@@ -195,6 +208,14 @@ def test_bad_chat_template_kwargs(tmp_path, given, needle):
     p = run_py("train_sft.py", "--out_dir", tmp_path / "out", "--chat_template_kwargs", given)
     assert_one_line_error(p, needle)
     assert not (tmp_path / "out").exists()  # refused with the flags, before any folder is made
+
+
+def test_chat_template_kwargs_for_a_model_without_a_template(tmp_path):
+    """The embedded tiny model has no chat template: the flag would change nothing."""
+    given = '{"enable_thinking": false}'
+    p = run_py("train_sft.py", "--out_dir", tmp_path, "--chat_template_kwargs", given)
+    line = f"--chat_template_kwargs {given}: --model {task.TINY_MODEL}'s tokenizer has no chat"
+    assert_one_line_error(p, line)
 
 
 REWARDS = """

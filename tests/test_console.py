@@ -40,7 +40,7 @@ def test_a_short_sft_and_ppo_print_their_own_lines_only(tmp_path):
     plan = "data: 9,000 examples from the embedded task (10 steps of 16: 0.0178 epochs); 8 held out"
     assert lines[0] == plan + " for evaluation", lines
     note = "note: --warmup_steps 30 >= --max_steps 10: the learning rate rises for the whole run"
-    assert lines[1] == note + " and ends at 30% of its peak (--lr)", lines
+    assert lines[1] == note + " and ends at 30% of its peak", lines
     assert lines[-1].startswith("done: 10 steps"), lines
     args = ("--model", sft / "hf", "--out_dir", tmp_path / "ppo", "--rollout_engine", "vllm")
     args += ("--rollout_batch_size", 8, "--n_samples_per_prompt", 2, "--train_batch_size", 16)

@@ -22,6 +22,7 @@ import train_ppo
 import train_rm
 import train_sft
 from conftest import REPO
+from conftest import THINKING_TEMPLATE
 from conftest import NoKeep
 from conftest import tiny_llama
 from conftest import write_small_checkpoint
@@ -1286,7 +1287,7 @@ def test_the_plan_line_and_the_warmup_note(capsys):
     lines = capsys.readouterr().out.splitlines()
     plan = "data: 200 pairs from d.jsonl (10 steps of 32: 1.6 epochs); no held-out evaluation"
     note = "note: --warmup_steps 40 >= --max_steps 10: the learning rate rises for the whole run"
-    assert lines == [plan, note + " and ends at 22% of its peak (--lr)"]
+    assert lines == [plan, note + " and ends at 22% of its peak"]
     args = types.SimpleNamespace(data="", max_steps=150, warmup_steps=149)
     common.print_plan(args, "prompts", 9000, 256, 64, "iterations")
     lines = capsys.readouterr().out.splitlines()
@@ -1316,15 +1317,7 @@ def test_a_failed_start_removes_only_the_empty_folders_it_made(tmp_path):
     assert out.parent.is_dir()
 
 
-THINKING_TEMPLATE = (
-    "{%- for m in messages %}{{- m.role + ': ' + m.content + ' ' }}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- 'assistant: ' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think></think>' }}"
-    "{%- endif %}{%- endif %}"
-)
-
-
-def test_chat_template_kwargs_reach_every_rendering(monkeypatch):
+def test_chat_template_kwargs_reach_every_rendering(monkeypatch, capsys):
     """--chat_template_kwargs (`common.CHAT_TEMPLATE_KWARGS`): Qwen3's switch, a template variable,
     reaches the prompt's text and ids, and so what SFT trains on; a template that needs the
     variable passes the load's check only with it; a data row's own kwargs must agree with the
@@ -1355,3 +1348,9 @@ def test_chat_template_kwargs_reach_every_rendering(monkeypatch):
     monkeypatch.delitem(common.CHAT_TEMPLATE_KWARGS, "enable_thinking")
     with pytest.raises(SystemExit, match="--model m: its chat template fails on a user turn"):
         common.check_chat_template(tok, "m", "--model")
+    # a variable the template does not read (misspelt) changes nothing: said once, at load
+    tok.chat_template = THINKING_TEMPLATE
+    monkeypatch.setitem(common.CHAT_TEMPLATE_KWARGS, "enable_thinkin", False)
+    common.check_chat_template(tok, "m", "--model")
+    note = 'note: --chat_template_kwargs {"enable_thinkin": false} change nothing in how m\'s'
+    assert capsys.readouterr().out.startswith(note)
