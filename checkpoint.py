@@ -1560,7 +1560,7 @@ def _choose(paths, resume):
 
 # Flags a resume must keep that checkpoints written before them lack, with the value those runs
 # had in effect: such a checkpoint resumes under the default, and is refused under another value.
-NEWER_FLAGS = {"chat_template_kwargs": ""}
+NEWER_FLAGS = {"chat_template_kwargs": "", "reward_weights": ""}
 
 
 def _same_settings(path, saved_args, args, must_match):

@@ -121,7 +121,11 @@ class Args(common.RunArgs):
     reward_fn: str = "task:reward_fn"
     """module:function(prompt, response) -> float, the rule reward (used unless --reward_model);
     parameters after those two get the data row's fields of their names (`answer`, say), or all
-    of them with **kwargs (never the row's prompt or response)"""
+    of them with **kwargs (never the row's prompt or response). Several, comma-separated, are
+    summed (weighted by --reward_weights) and each logged, as TRL's reward_funcs"""
+    reward_weights: str = ""
+    """the weights of the --reward_fn rules in the sum, comma-separated floats in their order
+    (TRL's reward_weights); '': 1 each"""
     reward_model: str = ""
     """HF AutoModelForSequenceClassification folder (train_rm.py's export); its score at the last
     real token is the reward"""
@@ -745,6 +749,11 @@ def check_reward_flags(args):
             f"error: --reward_fn {args.reward_fn} is not used with --reward_model, whose score "
             "is the reward: to log a rule beside it, give it as --gold_reward_fn"
         )
+    if args.reward_model and args.reward_weights:
+        raise SystemExit(
+            f"error: --reward_weights {args.reward_weights} weigh --reward_fn rules, and "
+            "--reward_model's score is the reward"
+        )
     if not args.reward_model and args.reward_norm != defaults.reward_norm:
         raise SystemExit(
             "error: --reward_norm applies to --reward_model's score only; the --reward_fn rule "
@@ -755,9 +764,13 @@ def check_reward_flags(args):
     if args.gold_reward_fn:
         gold = functools.partial(load_rule, args.gold_reward_fn, "--gold_reward_fn")
         common.import_on_every_rank(f"--gold_reward_fn {args.gold_reward_fn}", gold)
-    if not args.reward_model:
-        rule = functools.partial(load_rule, args.reward_fn, "--reward_fn")
-        common.import_on_every_rank(f"--reward_fn {args.reward_fn}", rule)
+    if args.reward_model:
+        return
+    specs = rule_specs(args.reward_fn)
+    rule_weights(args.reward_weights, len(specs))
+    for spec in specs:
+        rule = functools.partial(load_rule, spec, "--reward_fn")
+        common.import_on_every_rank(f"--reward_fn {spec}", rule)
 
 
 # Flags of GAE and its critic, which grpo and rloo have none of: set there, they would do nothing.
@@ -808,6 +821,33 @@ def load_rule(spec, flag):
     if not callable(fn):
         raise SystemExit(f"error: {flag} {spec}: a {type(fn).__name__}, not a function")
     return fn
+
+
+def rule_specs(text):
+    """The --reward_fn rules, [module:function], from its comma-separated list; an empty entry
+    (a stray comma) or one named twice (its scores would be logged under one name) is refused."""
+    specs = [spec.strip() for spec in text.split(",")]
+    if "" in specs:
+        raise SystemExit(f"error: --reward_fn {text}: an empty entry; expected module:function,...")
+    twice = sorted({spec for spec in specs if specs.count(spec) > 1})
+    if twice:
+        raise SystemExit(f"error: --reward_fn {text}: {twice[0]} named twice")
+    return specs
+
+
+def rule_weights(text, n):
+    """--reward_weights as n floats ('' is 1 each); one line if they are not n finite numbers."""
+    if not text:
+        return [1.0] * n
+    try:
+        weights = [float(w) for w in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"error: --reward_weights {text}: expected comma-separated numbers")
+    if len(weights) != n or not all(math.isfinite(w) for w in weights):
+        raise SystemExit(
+            f"error: --reward_weights {text}: expected {n} finite numbers, one per --reward_fn rule"
+        )
+    return weights
 
 
 # A row's fields a rule never gets by name: its first two arguments are the prompt and the sampled
@@ -876,7 +916,7 @@ def rules_in_use(args):
     --gold_reward_fn."""
     rules = []
     if not args.reward_model:
-        rules.append((args.reward_fn, "--reward_fn"))
+        rules += [(spec, "--reward_fn") for spec in rule_specs(args.reward_fn)]
     if args.gold_reward_fn:
         rules.append((args.gold_reward_fn, "--gold_reward_fn"))
     return rules
@@ -953,15 +993,33 @@ def rule_scores(spec, rows, responses, flag="--reward_fn"):
     return torch.tensor(scores)
 
 
+def rule_reward(args, rows, texts):
+    """(scores [B], {logged name: [B]}): the --reward_fn rules' weighted sum, and with several
+    rules each one's own scores, logged as objective/rule/<module.function> (what a sum hides:
+    a format reward that climbs while the answers' does not)."""
+    specs = rule_specs(args.reward_fn)
+    weights = rule_weights(args.reward_weights, len(specs))
+    total = torch.zeros(len(rows))
+    parts = {}
+    for spec, weight in zip(specs, weights):
+        scores = rule_scores(spec, rows, texts)
+        total += weight * scores  # (one rule of weight 1: its scores exactly)
+        if len(specs) > 1:
+            parts[f"objective/rule/{spec.replace(':', '.')}"] = scores
+    check_finite_scores(total, f"--reward_weights {args.reward_weights}: the sum is not finite")
+    return total, parts
+
+
 @torch.no_grad()
 def score(args, tok, models, rows, responses, finished, device):
-    """(2) Scores [B], before the EOS penalty: the rule reward on the decoded text (with the data
-    row's fields it takes), or the reward model's score of its own tokenisation of it, normalised
-    with its config's reward_mean and reward_std unless --reward_norm false. Collective with a
-    reward model (a sharded forward). rows [B]: each sample's data row."""
+    """(2) (scores [B] before the EOS penalty, {logged name: [B]} of the rules' own): the rule
+    reward on the decoded text (with the data row's fields it takes: `rule_reward`), or the
+    reward model's score of its own tokenisation of it, normalised with its config's
+    reward_mean and reward_std unless --reward_norm false. Collective with a reward model (a
+    sharded forward). rows [B]: each sample's data row."""
     texts = tok.batch_decode(responses, skip_special_tokens=True)
     if models.reward_model is None:
-        return rule_scores(args.reward_fn, rows, texts)
+        return rule_reward(args, rows, texts)
     data_prompts = [row["prompt"] for row in rows]
     reward_tok = models.reward_tokenizer
     sequences = reward_model_inputs(reward_tok, data_prompts, texts, finished)
@@ -972,12 +1030,12 @@ def score(args, tok, models, rows, responses, finished, device):
     where = f"--reward_model {args.reward_model}"
     check_finite_scores(scores, f"{where}: its score is not finite (NaN or inf in its weights?)")
     if models.reward_norm is None:
-        return scores
+        return scores, {}
     mean, std = models.reward_norm
     normalised = normalised_scores(scores, mean, std)
     problem = f"reward_mean {mean!r} and reward_std {std!r} take a score out of float32's range"
     check_finite_scores(normalised, f"{where}/config.json: {problem}")
-    return normalised
+    return normalised, {}
 
 
 def check_finite_scores(scores, line):
@@ -1261,7 +1319,7 @@ def evaluate(args, engine, tok, models, items, device):
     prompt_ids = [ids for ids, _ in mine]
     gen = engine.generate(prompt_ids, 1, args.max_new_tokens, 0.0, 1.0, [0] * len(mine))
     rows = [row for _, row in mine]  # as the data gives them (reward functions)
-    scores = score(args, tok, models, rows, gen.response_ids, gen.finished, device)
+    scores, _ = score(args, tok, models, rows, gen.response_ids, gen.finished, device)
     gold_sum = 0.0
     if args.gold_reward_fn:
         gold = gold_scores(args, tok, rows, gen.response_ids)
@@ -1283,9 +1341,10 @@ def eval_line(step, metrics):
     return line
 
 
-def rollout_sums(raw_scores, gen, exp, gap, gold):
+def rollout_sums(raw_scores, gen, exp, gap, gold, rule_parts):
     """This rank's sums behind the objective/* and rollout/* metrics (global_sums adds the
-    ranks). gold: the --gold_reward_fn scores [B], or None."""
+    ranks). gold: the --gold_reward_fn scores [B], or None; rule_parts: {logged name: [B]},
+    each rule's own scores where --reward_fn names several."""
     mask = exp.batch.response_mask
     sums = {
         "logprob_gap": gap.sum().item(),
@@ -1299,6 +1358,8 @@ def rollout_sums(raw_scores, gen, exp, gap, gold):
         sums["kl"] = kl_k1(exp.old_logprobs, exp.ref_logprobs, mask).sum().item()
     if gold is not None:
         sums["gold_score"] = gold.sum().item()
+    for name, scores in rule_parts.items():
+        sums[name] = scores.sum().item()
     return sums
 
 
@@ -1321,6 +1382,9 @@ def iteration_metrics(update_stats, rollout_stats, maxima, device):
         metrics["objective/kl"] = totals["kl"] / n
     if "gold_score" in totals:  # the rule beside the learned reward, never trained on
         metrics["objective/gold_score"] = totals["gold_score"] / n
+    for name in rollout_stats:
+        if name.startswith("objective/rule/"):  # each of several rules: its mean score
+            metrics[name] = totals[name] / n
     for name in update_stats:
         metrics[name] = totals[name]
     metrics.update(common.global_maxima(maxima, device))
@@ -1383,6 +1447,7 @@ MUST_MATCH = [
     "micro_batch_size",
     "advantage_estimator",
     "reward_fn",
+    "reward_weights",
     "reward_model",
     "reward_norm",
     "chat_template_kwargs",  # the prompts' tokens
@@ -1454,7 +1519,9 @@ def main(args):
         rows = [row for _, row in prompts for _ in range(n)]  # [B], each sample's data row
         clock.lap("time/rollout_s")
         # (2) Score; a response cut without EOS is penalised [N policy #5].
-        raw_scores = score(args, tok, models, rows, gen.response_ids, gen.finished, device)
+        raw_scores, rule_parts = score(
+            args, tok, models, rows, gen.response_ids, gen.finished, device
+        )
         scores = eos_penalized(raw_scores, gen.finished, args.missing_eos_penalty)
         gold = None  # the rule beside a learned reward: logged, never trained on
         if args.gold_reward_fn:
@@ -1482,7 +1549,7 @@ def main(args):
         rollout.sync_weights(engine, models.actor)
         clock.lap("time/sync_s")
 
-        sums = rollout_sums(raw_scores, gen, exp, gap, gold)
+        sums = rollout_sums(raw_scores, gen, exp, gap, gold, rule_parts)
         maxima = {"rollout/logprob_diff_max": gap.max(), **update_maxima}
         metrics = iteration_metrics(update_stats, sums, maxima, device)
         warn_if_off_policy(args, step, metrics, device)

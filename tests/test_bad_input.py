@@ -285,6 +285,7 @@ def test_a_reward_function_that_misbehaves_is_one_line(tmp_path, monkeypatch, sp
         (dict(reward_model="rm", reward_fn="mine:f"), "--reward_fn mine:f is not used with"),
         (dict(reward_norm=False), "--reward_norm applies to --reward_model's score only"),
         (dict(gold_reward_fn="task:reward_fn"), "give --reward_model too"),
+        (dict(reward_model="rm", reward_weights="2"), "--reward_weights 2 weigh --reward_fn"),
     ],
 )
 def test_a_reward_flag_of_the_reward_not_in_use_is_refused(flags, needle):
@@ -303,6 +304,12 @@ def test_a_reward_flag_of_the_reward_not_in_use_is_refused(flags, needle):
         (dict(reward_fn="task:rewardfn"), "--reward_fn task:rewardfn: expected module:function"),
         (dict(reward_fn="task:TINY_MODEL"), "--reward_fn task:TINY_MODEL: a str, not a function"),
         (dict(reward_model="rm", gold_reward_fn="task:f"), "--gold_reward_fn task:f: expected"),
+        (dict(reward_fn="task:reward_fn,"), "--reward_fn task:reward_fn,: an empty entry"),
+        (dict(reward_fn="task:reward_fn, task:reward_fn"), "--reward_fn task:reward_fn, task:r"),
+        (dict(reward_fn="task:reward_fn,task:rewardfn"), "--reward_fn task:rewardfn: expected"),
+        (dict(reward_weights="1,2"), "--reward_weights 1,2: expected 1 finite numbers, one per"),
+        (dict(reward_weights="one"), "--reward_weights one: expected comma-separated numbers"),
+        (dict(reward_weights="inf"), "--reward_weights inf: expected 1 finite numbers"),
     ],
 )
 def test_a_rule_that_is_no_function_is_refused_before_the_models_load(flags, needle):

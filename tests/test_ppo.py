@@ -105,18 +105,24 @@ def test_each_estimator_raises_the_score_it_is_given(tmp_path, sft_model, estima
     tests/learnable.py; ~0.25 at the SFT model) climbs within 12 iterations (to ~0.6). It fails
     if the scores reach other responses than those they were given for (a shuffle across ranks,
     rows or epochs), or if the update climbs the wrong way. grpo-batch: GRPO with the batch's
-    std (--scale_rewards batch, a collective in the advantages)."""
+    std (--scale_rewards batch, a collective in the advantages), and the reward as two rules,
+    the learnable one and the task's at weight 0, each logged on its own."""
     estimator, _, scale = estimator.partition("-")
     args = ("--model", sft_model, "--out_dir", tmp_path, "--advantage_estimator", estimator)
+    rules = ("--reward_fn", "tests.learnable:ones")
     if scale:
         args += ("--scale_rewards", scale)
-    args += ("--reward_fn", "tests.learnable:ones", "--rollout_batch_size", 16)
+        rules = ("--reward_fn", "tests.learnable:ones,task:reward_fn", "--reward_weights", "1,0")
+    args += (*rules, "--rollout_batch_size", 16)
     args += ("--n_samples_per_prompt", 4, "--train_batch_size", 32, "--micro_batch_size", 16)
     args += ("--max_new_tokens", 6, "--max_steps", 12, "--eval_every", 0, "--save_every", 100)
     run("train_ppo.py", *args)
     iterations = metrics(str(tmp_path))[1:]  # row 0: the evaluation before the first step
     scores = [row["objective/score"] for row in iterations]
     assert len(scores) == 12
+    if scale:  # the sum is the learnable rule's (the other weighs 0), and both are logged
+        assert [row["objective/rule/tests.learnable.ones"] for row in iterations] == scores
+        assert all(0 <= row["objective/rule/task.reward_fn"] <= 1 for row in iterations)
     last = sum(scores[-4:]) / 4
     # The SFT model's answers hold ~0.25 '1's (about half the sums are above 99), its first
     # batch's 0.17-0.32 by the seed; after 12 iterations 0.56-0.64 at seeds 1, 2, 3 and 42 (one

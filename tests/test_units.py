@@ -550,6 +550,30 @@ wrapped_accuracy = as_rule(trl_accuracy)
 """
 
 
+def test_several_reward_rules_are_summed_with_their_weights(tmp_path, monkeypatch):
+    """--reward_fn a,b with --reward_weights (TRL's reward_funcs and reward_weights): the score is
+    the weighted sum, each rule's own scores are logged under its name; one rule of weight 1 is
+    its scores exactly, and nothing more is logged."""
+    (tmp_path / "reference_rules.py").write_text(REFERENCE_RULES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [{"prompt": "q", "answer": "42"}, {"prompt": "q", "answer": "7"}]
+    args = train_ppo.Args(
+        reward_fn="reference_rules:right, reference_rules:wrapped_len", reward_weights="2,0.5"
+    )
+    total, parts = train_ppo.rule_reward(args, rows, ["42", "2"])
+    assert total.tolist() == [2 * 1 + 0.5 * 2, 2 * 0 + 0.5 * 1]
+    assert {name: p.tolist() for name, p in parts.items()} == {
+        "objective/rule/reference_rules.right": [1.0, 0.0],
+        "objective/rule/reference_rules.wrapped_len": [2.0, 1.0],
+    }
+    args = train_ppo.Args(reward_fn="reference_rules:wrapped_len")
+    total, parts = train_ppo.rule_reward(args, rows, ["42", "2"])
+    assert torch.equal(
+        total, train_ppo.rule_scores("reference_rules:wrapped_len", rows, ["42", "2"])
+    )
+    assert parts == {}
+
+
 def test_a_reward_rule_gets_the_rows_fields_it_names(tmp_path, monkeypatch):
     """A verifiable reward reads its reference from the data: a rule's parameters after (prompt,
     response) get the row's fields of their names (all of them with **kwargs, never the row's
