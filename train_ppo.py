@@ -845,7 +845,7 @@ def rule_weights(text, n):
         raise SystemExit(f"error: --reward_weights {text}: expected comma-separated numbers")
     if len(weights) != n or not all(math.isfinite(w) for w in weights):
         raise SystemExit(
-            f"error: --reward_weights {text}: expected {n} finite numbers, one per --reward_fn rule"
+            f"error: --reward_weights {text}: expected one finite number per --reward_fn rule ({n})"
         )
     return weights
 
@@ -999,14 +999,18 @@ def rule_reward(args, rows, texts):
     a format reward that climbs while the answers' does not)."""
     specs = rule_specs(args.reward_fn)
     weights = rule_weights(args.reward_weights, len(specs))
-    total = torch.zeros(len(rows))
+    terms = []
     parts = {}
     for spec, weight in zip(specs, weights):
         scores = rule_scores(spec, rows, texts)
-        total += weight * scores  # (one rule of weight 1: its scores exactly)
+        terms.append(weight * scores)
         if len(specs) > 1:
             parts[f"objective/rule/{spec.replace(':', '.')}"] = scores
-    check_finite_scores(total, f"--reward_weights {args.reward_weights}: the sum is not finite")
+    # summed from the first term, not from zeros: one rule of weight 1 is its scores exactly
+    # (a -0.0 too, which 0.0 + -0.0 would turn into 0.0)
+    total = functools.reduce(torch.add, terms)
+    weighed = f"--reward_weights {args.reward_weights or '(1 each)'}"
+    check_finite_scores(total, f"--reward_fn {args.reward_fn}: the rules' sum ({weighed}) is inf")
     return total, parts
 
 

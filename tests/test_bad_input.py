@@ -305,11 +305,11 @@ def test_a_reward_flag_of_the_reward_not_in_use_is_refused(flags, needle):
         (dict(reward_fn="task:TINY_MODEL"), "--reward_fn task:TINY_MODEL: a str, not a function"),
         (dict(reward_model="rm", gold_reward_fn="task:f"), "--gold_reward_fn task:f: expected"),
         (dict(reward_fn="task:reward_fn,"), "--reward_fn task:reward_fn,: an empty entry"),
-        (dict(reward_fn="task:reward_fn, task:reward_fn"), "--reward_fn task:reward_fn, task:r"),
+        (dict(reward_fn="task:f, task:f"), "--reward_fn task:f, task:f: task:f named twice"),
         (dict(reward_fn="task:reward_fn,task:rewardfn"), "--reward_fn task:rewardfn: expected"),
-        (dict(reward_weights="1,2"), "--reward_weights 1,2: expected 1 finite numbers, one per"),
+        (dict(reward_weights="1,2"), "--reward_weights 1,2: expected one finite number per"),
         (dict(reward_weights="one"), "--reward_weights one: expected comma-separated numbers"),
-        (dict(reward_weights="inf"), "--reward_weights inf: expected 1 finite numbers"),
+        (dict(reward_weights="inf"), "--reward_weights inf: expected one finite number per"),
     ],
 )
 def test_a_rule_that_is_no_function_is_refused_before_the_models_load(flags, needle):
