@@ -113,6 +113,11 @@ class Args(common.RunArgs):
     target_kl: float = 0.0
     """> 0: adaptive KL controller aiming at this KL per response, horizon 10k responses; 0: fixed
     beta. The controller scales beta by a factor, so from --kl_coef 0 it stays 0"""
+    kl_estimator: typing.Literal["k1", "k3"] = "k1"
+    """gae and rloo: the per-token KL in the reward (Schulman 2020, "Approximating KL
+    divergence"; TRL's kl_estimator): k1, log pi - log pi_ref; k3, r - 1 - log r with r = pi_ref /
+    pi, never negative, less variance. Both unbiased; objective/kl logs k1 either way. grpo's KL
+    is its k3 loss term (eq. 4)"""
     missing_eos_penalty: float = 1.0
     """subtracted from the score of a response cut at max_new_tokens without EOS [N policy #5]"""
     whiten_rewards: bool = False
@@ -237,11 +242,26 @@ def kl_k1(logprobs, ref_logprobs, mask):
     return (logprobs - ref_logprobs) * mask
 
 
-def compute_rewards(scores, logprobs, ref_logprobs, mask, kl_coef):
-    """Per-token reward r_t = -beta * (log pi(y_t) - log pi_ref(y_t)), plus the score at the last
-    response token (Ziegler et al. 2019 eq. 2; [N policy #8]). scores [B]; the rest [B, R].
-    Returns (rewards, kl), both [B, R]."""
-    kl = kl_k1(logprobs, ref_logprobs, mask)  # [B, R]
+def kl_k3(logprobs, ref_logprobs, mask):
+    """The per-token KL to the reference, k3 estimator: r - 1 - log r at each sampled token, with
+    r = pi_ref(y_t) / pi(y_t) (Schulman 2020): unbiased as k1 (E[r] = 1 under pi), never
+    negative (a token pi_ref likes more is not a negative penalty, as under k1), and of less
+    variance while the two policies are close. All [B, R]."""
+    # Masked before exp: at padding columns logprobs can be very negative, exp overflows to inf,
+    # and inf * 0 is NaN.
+    log_ratio = (ref_logprobs - logprobs) * mask
+    return (torch.exp(log_ratio) - log_ratio - 1) * mask
+
+
+# --kl_estimator's choices: the per-token KL that the reward is penalised by (gae, rloo)
+KL_ESTIMATORS = {"k1": kl_k1, "k3": kl_k3}
+
+
+def compute_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator="k1"):
+    """Per-token reward r_t = -beta * KL_t, KL_t = log pi(y_t) - log pi_ref(y_t) (k1; or k3,
+    `kl_k3`), plus the score at the last response token (Ziegler et al. 2019 eq. 2; [N policy
+    #8]). scores [B]; the rest [B, R]. Returns (rewards, kl), both [B, R]."""
+    kl = KL_ESTIMATORS[kl_estimator](logprobs, ref_logprobs, mask)  # [B, R]
     rewards = -kl_coef * kl
     last = mask.sum(1).long() - 1  # index of each response's last token  [B]
     rewards[torch.arange(len(scores)), last] += scores
@@ -339,11 +359,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, n_tokens, c
 
 def kl_loss(logprobs, ref_logprobs, mask, n_tokens):
     """GRPO's KL term (Shao et al. 2024, eq. 4), the unbiased, non-negative k3 estimator:
-    pi_ref/pi - log(pi_ref/pi) - 1 per token, averaged over tokens. [B, R]."""
-    # Masked before exp: at padding columns logprobs can be very negative, exp overflows to inf,
-    # and inf * 0 in the masked mean is NaN.
-    log_ratio = (ref_logprobs - logprobs) * mask
-    return masked_mean(torch.exp(log_ratio) - log_ratio - 1, mask, n_tokens)
+    pi_ref/pi - log(pi_ref/pi) - 1 per token (`kl_k3`), averaged over tokens. [B, R]."""
+    return masked_mean(kl_k3(logprobs, ref_logprobs, mask), mask, n_tokens)
 
 
 def value_loss(values, old_values, returns, mask, cliprange_value, n_tokens):
@@ -727,10 +744,29 @@ def check_args(args, world):
             f"prompt: expected --n_samples_per_prompt >= 2, got {n}"
         )
     check_gae_only_flags(args)
+    check_kl_estimator(args)
     if args.scale_rewards != "group" and args.advantage_estimator != "grpo":
         raise SystemExit(
             f"error: --scale_rewards {args.scale_rewards} applies to --advantage_estimator grpo "
             f"only; {args.advantage_estimator} divides its advantages by no std"
+        )
+
+
+def check_kl_estimator(args):
+    """--kl_estimator picks the KL in the reward: grpo's KL is a loss term (k3, eq. 4), and
+    without a reference (--kl_coef 0, no --target_kl) there is no KL; there it would do nothing,
+    so it is refused in one line."""
+    if args.kl_estimator == "k1":
+        return
+    if args.advantage_estimator == "grpo":
+        raise SystemExit(
+            f"error: --kl_estimator {args.kl_estimator} picks the KL in the reward (gae, rloo); "
+            "grpo's KL is a loss term, k3 already (Shao et al. 2024, eq. 4)"
+        )
+    if args.kl_coef == 0 and args.target_kl == 0:
+        raise SystemExit(
+            f"error: --kl_estimator {args.kl_estimator}: --kl_coef 0 (and no --target_kl) "
+            "weighs no KL, and no reference is run"
         )
 
 
@@ -1189,7 +1225,9 @@ def compute_advantages(args, exp, scores, order, kl_coef):
         logprobs = torch.zeros_like(mask)
         ref_logprobs = logprobs
     if args.advantage_estimator == "gae":
-        rewards, _ = compute_rewards(scores, logprobs, ref_logprobs, mask, kl_coef)
+        rewards, _ = compute_rewards(
+            scores, logprobs, ref_logprobs, mask, kl_coef, args.kl_estimator
+        )
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False)  # [N policy #9]
         advantages, exp.returns = compute_gae(rewards, exp.old_values, mask, args.gamma, args.lam)
@@ -1200,7 +1238,8 @@ def compute_advantages(args, exp, scores, order, kl_coef):
     # a loss term (`ppo_loss`), as dividing by a group's std would blow up the KL's noise.
     rewards = scores  # [B]
     if args.advantage_estimator == "rloo":
-        rewards = sequence_rewards(scores, kl_k1(logprobs, ref_logprobs, mask), kl_coef)
+        kl = KL_ESTIMATORS[args.kl_estimator](logprobs, ref_logprobs, mask)  # [B, R]
+        rewards = sequence_rewards(scores, kl, kl_coef)
     prompt_major = torch.empty_like(scores)
     prompt_major[order] = rewards
     groups = prompt_major.view(-1, args.n_samples_per_prompt)  # [prompts, n]

@@ -32,6 +32,57 @@ def test_rewards_put_kl_on_every_token_and_the_score_on_the_last():
     assert torch.allclose(rewards, t([[-0.05, 0.0, 0.1 + 1.0], [-0.1, 0.0 + 2.0, 0.0]]))
 
 
+def test_rewards_with_the_k3_kl():
+    """--kl_estimator k3: per token r - 1 - log r, r = pi_ref / pi. Where pi_ref is the likelier
+    (log r = 0.5 > 0) k1 is a negative penalty, -0.5; k3 is e^0.5 - 1.5 = 0.1487 > 0; where pi is
+    the likelier (log r = -0.5), e^-0.5 - 0.5 = 0.1065; a padded column of logprob -1e4 is 0,
+    not NaN."""
+    logp = t([[-1.0, -2.0, -1e4], [-2.0, -1.0, -1.0]])
+    ref = t([[-0.5, -2.5, -2.0], [-2.0, -1.0, -1.0]])
+    mask = t([[1, 1, 0], [1, 1, 1]])
+    rewards, kl = ppo.compute_rewards(t([1.0, 2.0]), logp, ref, mask, 0.1, "k3")
+    k3 = [math.exp(0.5) - 1.5, math.exp(-0.5) - 0.5]
+    assert torch.allclose(kl, t([[k3[0], k3[1], 0.0], [0.0, 0.0, 0.0]]))
+    assert torch.allclose(rewards, t([[-0.1 * k3[0], -0.1 * k3[1] + 1.0, 0.0], [0, 0, 2.0]]))
+    # the same as GRPO's loss term per token (`kl_loss`, eq. 4)
+    assert ppo.kl_loss(logp, ref, mask, n_tokens=2).item() == pytest.approx(sum(k3) / 2)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_rloo_penalises_its_sequence_reward_by_the_kl_estimator(estimator):
+    """--kl_estimator reaches rloo's sequence reward (`compute_advantages`): one group of two, the
+    first sample's two tokens 0.5 nats from the reference one way, the second's the other."""
+    logp = t([[-1.0, -1.0], [-1.5, -1.5]])
+    ref = t([[-1.5, -1.5], [-1.0, -1.0]])
+    mask = t([[1, 1], [1, 1]])
+    exp = types.SimpleNamespace(old_logprobs=logp, ref_logprobs=ref)
+    exp.batch = types.SimpleNamespace(response_mask=mask)
+    args = ppo.Args(advantage_estimator="rloo", n_samples_per_prompt=2, kl_estimator=estimator)
+    ppo.compute_advantages(args, exp, t([1.0, 1.0]), torch.arange(2), 0.1)
+    kl = {"k1": [1.0, -1.0], "k3": [2 * (math.exp(-0.5) - 0.5), 2 * (math.exp(0.5) - 1.5)]}
+    rewards = [1.0 - 0.1 * kl[estimator][0], 1.0 - 0.1 * kl[estimator][1]]
+    want = t([rewards[0] - rewards[1], rewards[1] - rewards[0]])
+    assert torch.allclose(exp.advantages, want[:, None] * mask)
+
+
+def test_gae_penalises_its_rewards_by_the_kl_estimator():
+    """--kl_estimator reaches GAE's per-token rewards (`compute_advantages`): its advantages are
+    those of `compute_rewards` with k3, and not those with k1."""
+    logp = t([[-1.0, -1.0], [-1.5, -1.5]])
+    ref = t([[-1.5, -1.5], [-1.0, -1.0]])
+    mask = t([[1, 1], [1, 1]])
+    values = t([[0.1, 0.2], [0.3, 0.4]])
+    scores = t([1.0, 0.0])
+    exp = types.SimpleNamespace(old_logprobs=logp, ref_logprobs=ref, old_values=values)
+    exp.batch = types.SimpleNamespace(response_mask=mask)
+    ppo.compute_advantages(ppo.Args(kl_estimator="k3"), exp, scores, torch.arange(2), 0.5)
+    for estimator, same in (("k3", True), ("k1", False)):
+        rewards, _ = ppo.compute_rewards(scores, logp, ref, mask, 0.5, estimator)
+        advantages, _ = ppo.compute_gae(rewards, values, mask, 1.0, 0.95)
+        want = ppo.masked_whiten(advantages, mask)
+        assert torch.allclose(exp.advantages, want) == same
+
+
 def test_gae_by_hand():
     rewards = t([[0.0, 0.0, 1.0]])
     values = t([[0.5, 0.6, 0.7]])
