@@ -1,5 +1,6 @@
-"""Curves of a run, to PNG: score, KL and held-out accuracy (PPO), loss and accuracy (SFT), from the
-run's metrics.jsonl. Needs matplotlib, an optional extra (`pip install matplotlib`).
+"""Curves of a run, to PNG: score (and each of several reward rules'), KL and held-out accuracy
+(PPO), loss and accuracy (SFT), from the run's metrics.jsonl. Needs matplotlib, an optional
+extra (`pip install matplotlib`).
 
     ./launch.sh plot runs/demo/ppo [out.png]      # default: <run>/curves.png
 """
@@ -18,6 +19,9 @@ KEYS = [
     "policy/clipfrac",
     "val/loss",
 ]
+# PPO with several --reward_fn rules logs each one's mean score under this prefix; drawn after
+# objective/score
+RULES = "objective/rule/"
 
 
 def read_rows(path):
@@ -36,7 +40,7 @@ def read_rows(path):
                 sys.exit(f"error: {where}: not a JSON object ({e.msg})")
             if not isinstance(row, dict) or type(row.get("step")) is not int:
                 sys.exit(f'error: {where}: expected a JSON object with an integer "step"')
-            for key in KEYS:
+            for key in [*KEYS, *[k for k in row if k.startswith(RULES)]]:
                 value = row.get(key, 0.0)
                 if type(value) not in (int, float):
                     sys.exit(f"error: {where}: {key}: expected a number, got {value!r:.40}")
@@ -56,7 +60,8 @@ def main(run_dir, out=None):
     except ImportError:
         sys.exit("error: plot needs matplotlib: pip install matplotlib")
     rows = read_rows(path)
-    keys = [k for k in KEYS if any(k in r for r in rows)]
+    rules = sorted({k for r in rows for k in r if k.startswith(RULES)})
+    keys = [k for k in KEYS[:1] + rules + KEYS[1:] if any(k in r for r in rows)]
     if not keys:
         sys.exit(f"error: {path}: none of {', '.join(KEYS)} logged yet")
     fig, axes = plt.subplots(1, len(keys), figsize=(3.6 * len(keys), 3.0), squeeze=False)

@@ -46,6 +46,7 @@ def test_plot_help_and_crafted_metrics_lines_are_one_line(tmp_path):
         '{"step": "2"}\n': ':2: expected a JSON object with an integer "step"',
         '{"step": 2, "train/loss": "x"}\n': ":2: train/loss: expected a number, got 'x'",
         '{"step": 2, "eval/accuracy": true}\n': ":2: eval/accuracy: expected a number",
+        '{"step": 2, "objective/rule/m.f": []}\n': ":2: objective/rule/m.f: expected a number",
     }
     for line, needle in cases.items():
         (tmp_path / "metrics.jsonl").write_text(good + line)
@@ -54,5 +55,12 @@ def test_plot_help_and_crafted_metrics_lines_are_one_line(tmp_path):
         assert p.stderr.startswith(f"error: {tmp_path / 'metrics.jsonl'}") and needle in p.stderr
     # a last line cut by a kill is no error: the whole lines are drawn
     (tmp_path / "metrics.jsonl").write_text(good + '{"step": 2, "train/lo')
+    p = run_py("plot.py", tmp_path, tmp_path / "curves.png")
+    assert p.returncode == 0, p.stderr
+    # several reward rules: each one's score is drawn beside the sum's
+    rules = (
+        '{"step": 1, "objective/score": 1.5, "objective/rule/m.f": 1, "objective/rule/m.g": 0.5}'
+    )
+    (tmp_path / "metrics.jsonl").write_text(rules + "\n")
     p = run_py("plot.py", tmp_path, tmp_path / "curves.png")
     assert p.returncode == 0, p.stderr
