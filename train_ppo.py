@@ -1046,7 +1046,8 @@ def rule_reward(args, rows, texts):
     # (a -0.0 too, which 0.0 + -0.0 would turn into 0.0)
     total = functools.reduce(torch.add, terms)
     weighed = f"--reward_weights {args.reward_weights or '(1 each)'}"
-    check_finite_scores(total, f"--reward_fn {args.reward_fn}: the rules' sum ({weighed}) is inf")
+    line = f"--reward_fn {args.reward_fn}: the rules' sum ({weighed}) overflows float32"
+    check_finite_scores(total, line)
     return total, parts
 
 
