@@ -40,7 +40,8 @@ def read_rows(path):
                 sys.exit(f"error: {where}: not a JSON object ({e.msg})")
             if not isinstance(row, dict) or type(row.get("step")) is not int:
                 sys.exit(f'error: {where}: expected a JSON object with an integer "step"')
-            for key in [*KEYS, *[k for k in row if k.startswith(RULES)]]:
+            rule_keys = [k for k in row if k.startswith(RULES)]
+            for key in KEYS + rule_keys:
                 value = row.get(key, 0.0)
                 if type(value) not in (int, float):
                     sys.exit(f"error: {where}: {key}: expected a number, got {value!r:.40}")
