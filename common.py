@@ -130,6 +130,11 @@ class RunArgs:
     give the same to every stage of a pipeline"""
 
 
+# RunArgs' flags a resume must keep, in every stage: the template's variables decide every
+# example's tokens (a stage's own list adds its flags: `resume`, train_ppo.py's MUST_MATCH)
+RUN_MUST_MATCH = ["chat_template_kwargs"]
+
+
 # What RunArgs' numbers may be (`check_limits`); a stage's LIMITS adds its own flags'.
 RUN_LIMITS = {
     "keep_last": ">= 0",
@@ -2058,8 +2063,7 @@ def resume(args, roles, sched, must_match, frozen=None, folders=None):
     final = checkpoint.resolve(args.out_dir, args.resume)
     if not final:
         return 0, None
-    # the template's variables decide every example's tokens, in every stage
-    must_match = must_match + ["chat_template_kwargs"]
+    must_match = must_match + RUN_MUST_MATCH
     meta = checkpoint.load(final, roles, vars(args), must_match, frozen, folders)
     checkpoint.restore_scheduler(sched, meta.get("scheduler"), f"{final}/meta.json")
     print0(f"resumed from {final} at step {meta['step']}")

@@ -213,22 +213,30 @@ def masked_mean(x, mask, n=None):
     return (x * mask).sum() / n
 
 
-def masked_whiten(x, mask, shift_mean=True):
-    """(x - mean) / std over the masked entries of all ranks [N policy #9]. x, mask [B, R].
+def global_mean_var(x, mask):
+    """(mean, variance, count) of x's masked entries over all ranks, float64 scalars; the
+    variance biased (divided by the count). x, mask: any shape, the same.
 
-    Two passes in float64: the mean first, then the mean squared deviation from it. The one-pass
+    Two passes: the mean first, then the mean squared deviation from it. The one-pass
     E[x^2] - E[x]^2 cancels catastrophically when the mean is large against the spread (it was
     off by up to 1.65 on such inputs, and NaN when it came out negative). Collective: two
-    all_reduces, so every rank whitens with the same global statistics."""
+    all_reduces, so every rank gets the same global statistics."""
     x64 = x.double()
     mask64 = mask.double()
     sum_and_count = torch.stack([(x64 * mask64).sum(), mask64.sum()])
-    dist.all_reduce(sum_and_count)  # the global batch's sum and token count, in one collective
+    dist.all_reduce(sum_and_count)  # the global batch's sum and count, in one collective
     total, count = sum_and_count.unbind()
     mean = total / count
     squared_deviations = (((x64 - mean) * mask64) ** 2).sum()
     dist.all_reduce(squared_deviations)  # summed over the global batch
-    var = squared_deviations / count
+    return mean, squared_deviations / count, count
+
+
+def masked_whiten(x, mask, shift_mean=True):
+    """(x - mean) / std over the masked entries of all ranks [N policy #9] (`global_mean_var`).
+    x, mask [B, R]. Collective."""
+    x64 = x.double()
+    mean, var, _ = global_mean_var(x, mask)
     white = (x64 - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         white = white + mean
@@ -326,18 +334,12 @@ def group_advantages(scores, kind, scale="group", batch_std=None):
     return centred / (std + 1e-4)
 
 
-def batch_std(scores, device):
+def batch_std(scores):
     """Collective: the unbiased std of the global batch's scores, every rank's [B] together, as
     TRL's scale_rewards="batch" takes it (over the rewards gathered from every process). Each
-    rank holds its prompts' groups whole, but the batch is all of them: one all_reduce of the
-    count, the sum and the sum of squares (float64, `common.global_sums`)."""
-    scores = scores.double()
-    totals = common.global_sums(
-        {"n": len(scores), "sum": scores.sum(), "squares": (scores**2).sum()}, device
-    )
-    n = totals["n"]
-    variance = (totals["squares"] - totals["sum"] ** 2 / n) / max(n - 1, 1)
-    return math.sqrt(max(variance, 0.0))  # (rounding can take a variance of 0 just below it)
+    rank holds its prompts' groups whole, but the batch is all of them (`global_mean_var`)."""
+    _, var, count = global_mean_var(scores, torch.ones_like(scores))
+    return math.sqrt(var.item() * count.item() / max(count.item() - 1, 1))  # unbiased: n - 1
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, n_tokens, cliprange_high=None):
@@ -1246,7 +1248,7 @@ def compute_advantages(args, exp, scores, order, kl_coef):
     groups = prompt_major.view(-1, args.n_samples_per_prompt)  # [prompts, n]
     std = None
     if args.scale_rewards == "batch":
-        std = batch_std(rewards, rewards.device)  # over every rank's groups
+        std = batch_std(rewards)  # over every rank's groups
     advantages = group_advantages(groups, args.advantage_estimator, args.scale_rewards, std)
     advantages = advantages.flatten()[order]  # [B], back in the rows' order
     exp.advantages = advantages[:, None] * mask
@@ -1494,7 +1496,7 @@ MUST_MATCH = [
     "reward_weights",
     "reward_model",
     "reward_norm",
-    "chat_template_kwargs",  # the prompts' tokens
+    *common.RUN_MUST_MATCH,
 ]
 
 

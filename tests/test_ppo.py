@@ -146,7 +146,7 @@ def test_the_batch_std_is_the_whole_batchs_over_ranks(tmp_path):
         "dist.init_process_group('gloo')\n"
         "every = [[1.0, 0.0, 0.0, 1.0], [3.0, 3.0, 2.5, 7.0, 1.0, 0.5]]\n"
         "mine = torch.tensor(every[dist.get_rank()])\n"
-        "got = train_ppo.batch_std(mine, torch.device('cpu'))\n"
+        "got = train_ppo.batch_std(mine)\n"
         "want = statistics.stdev(every[0] + every[1])\n"
         "assert abs(got - want) < 1e-12, (got, want)\n"
         "print('same', got)\n"

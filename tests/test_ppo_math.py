@@ -216,11 +216,11 @@ def test_group_baselines_scaled_by_the_batch_or_not_at_all():
     stds = t([[math.sqrt(1 / 3)], [0.5]])  # unbiased: 1 0 0 1, and 1 1 1 0
     assert torch.allclose(group, centred / (stds + 1e-4))
     # in one rank's process, batch_std is that std too (a 1-rank group)
-    assert ppo.batch_std(s.flatten(), torch.device("cpu")) == pytest.approx(math.sqrt(120 / 448))
+    assert ppo.batch_std(s.flatten()) == pytest.approx(math.sqrt(120 / 448))
     # a batch whose scores all agree: no advantage, no NaN
     same = t([[2.0, 2.0], [2.0, 2.0]])
     assert torch.equal(ppo.group_advantages(same, "grpo", "batch"), torch.zeros(2, 2))
-    assert ppo.batch_std(same.flatten(), torch.device("cpu")) == 0.0
+    assert ppo.batch_std(same.flatten()) == 0.0
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
