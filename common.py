@@ -350,6 +350,7 @@ def init_distributed(seed, timeout_minutes=30.0):
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    CONSOLE["store"] = dist.PrefixStore("console/", store)  # (keys apart from the group's)
     rank = dist.get_rank()
     random.seed(seed + rank)
     np.random.seed(seed + rank)
@@ -519,8 +520,11 @@ def read_on_every_rank(what, read):
         error = failure.code
     views = [None] * dist.get_world_size()
     dist.all_gather_object(views, (digest, error, socket.gethostname()))  # all stop, or none
-    if failure is not None:
+    errors = {error for _, error, _ in views}
+    if failure is not None and len(errors) == 1:  # every rank failed alike: the plain line
         raise failure
+    # Else every rank, failed or not, says the same: the first rank that failed (or read other
+    # contents), named, so that a node prints one line (`first_to_say`), not one per rank
     check_same_reads(what, views)
     return result
 
@@ -2222,18 +2226,70 @@ def quiet_console(verbose):
     warnings.filterwarnings("ignore")
 
 
+# The job's rendezvous store, kept by init_distributed: through it the ranks of a node share
+# their console (`progress_bar`, `print_error`)
+CONSOLE = {}
+
+
+def progress_bar(total, start, desc):
+    """Rank 0's progress bar (tqdm; the other ranks' are disabled). Rank 0's node is told that a
+    bar is on its console from now on: there another rank's error line must start a new line
+    (`print_error`), and before the bar, or on another node, that would be a blank line."""
+    rank = dist.get_rank()
+    if rank == 0 and "store" in CONSOLE:
+        CONSOLE["store"].set(f"bar/{socket.gethostname()}", "1")
+    return tqdm(total=total, initial=start, disable=rank != 0, desc=desc)
+
+
 def print_error(line):
     """An error line on stderr, whole and on a line of its own: rank 0's progress bar is cleared
-    first (tqdm.write), and another rank starts a new line, since rank 0's bar may be on it. One
+    first (tqdm.write), and another rank starts a new line where rank 0's bar may be on it. One
     write per line, so two ranks' errors never glue together. A line break inside (a file's
-    name may hold one) is written as \\n (`checkpoint.one_line`)."""
+    name may hold one) is written as \\n (`checkpoint.one_line`). A line that another rank of
+    the node has printed already is not printed again (`first_to_say`)."""
     line = checkpoint.one_line(line)
+    if not first_to_say(line):
+        return
     if dist.is_initialized() and dist.get_rank() != 0:
-        sys.stderr.write("\n" + line + "\n")
+        sys.stderr.write(bar_break() + line + "\n")
         sys.stderr.flush()
         return
     tqdm.write(line, file=sys.stderr)
     sys.stderr.flush()
+
+
+def first_to_say(line):
+    """Whether no other rank of this node has printed the error `line` yet. Most errors are every
+    rank's alike (a bad row of the data every rank reads, a missing --model folder): each rank
+    printed its own copy, eight identical lines on eight GPUs. The rendezvous store's atomic add
+    counts the ranks of a node that reached one line; the first prints it. Per node, as
+    `parse_once_per_node`: each node's console (a scheduler's log per node) says why it stopped.
+    A rank whose line is its own (a collective that failed names the rank) prints it still."""
+    store = CONSOLE.get("store")
+    if store is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    key = hashlib.sha256(f"{socket.gethostname()}\0{line}".encode()).hexdigest()
+    try:
+        # a store that no longer answers (the host of torchrun's store gone) must not hold up
+        # the exit: the process is ending, so the group's own use of the store is over
+        store.set_timeout(datetime.timedelta(seconds=10))
+        return store.add(f"said/{key}", 1) == 1
+    except (RuntimeError, dist.DistError):  # no answer: the line twice rather than never
+        return True
+
+
+def bar_break():
+    """A line break where rank 0's progress bar may be on this node's console line, else ""."""
+    store = CONSOLE.get("store")
+    if store is None:
+        return "\n"
+    try:
+        on_screen = store.check([f"bar/{socket.gethostname()}"])
+    except (RuntimeError, dist.DistError):
+        on_screen = True
+    if on_screen:
+        return "\n"
+    return ""
 
 
 def finish(args, step, final, role=None):

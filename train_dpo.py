@@ -29,7 +29,6 @@ import typing
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 from transformers import get_cosine_schedule_with_warmup
 
@@ -338,7 +337,7 @@ def main(args):
         common.print0(f"step 0: held-out accuracy {accuracy:.3f}")
 
     step = start
-    pbar = tqdm(total=args.max_steps, initial=start, disable=rank != 0, desc="dpo")
+    pbar = common.progress_bar(args.max_steps, start, "dpo")
     for step in range(start + 1, args.max_steps + 1):
         t0 = time.time()
         idx, epoch = common.batch_indices(step - 1, len(train), args.train_batch_size, args.seed)

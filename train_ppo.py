@@ -32,7 +32,6 @@ import typing
 import numpy as np
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 from transformers import AutoModelForSequenceClassification
 from transformers import AutoModelForTokenClassification
@@ -1553,7 +1552,7 @@ def main(args):
 
     from_update = old_logprobs_from_update(args)  # step (3) leaves the actor's to step (5)
     step = start
-    pbar = tqdm(total=args.max_steps, initial=start, disable=rank != 0, desc="ppo")
+    pbar = common.progress_bar(args.max_steps, start, "ppo")
     for step in range(start + 1, args.max_steps + 1):
         clock = common.Stopwatch()
         idx, epoch = common.batch_indices(step - 1, len(train), args.rollout_batch_size, args.seed)

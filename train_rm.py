@@ -35,7 +35,6 @@ import typing
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tqdm import tqdm
 from transformers import AutoModelForSequenceClassification
 from transformers import get_cosine_schedule_with_warmup
 
@@ -372,7 +371,7 @@ def main(args):
     metrics_log.truncate(start if final else None)
 
     step = start
-    pbar = tqdm(total=args.max_steps, initial=start, disable=rank != 0, desc="rm")
+    pbar = common.progress_bar(args.max_steps, start, "rm")
     for step in range(start + 1, args.max_steps + 1):
         t0 = time.time()
         idx, epoch = common.batch_indices(step - 1, len(train), args.train_batch_size, args.seed)

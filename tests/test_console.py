@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from conftest import REPO
+from conftest import run
 from conftest import run_py
 
 pytestmark = pytest.mark.slow
@@ -52,17 +53,32 @@ def test_a_short_sft_and_ppo_print_their_own_lines_only(tmp_path):
     assert lines[-1].startswith("done: 2 steps"), lines
 
 
-def test_errors_of_two_ranks_are_two_lines(tmp_path):
-    """Both ranks refuse the file: one line each, not glued together, and none of torchrun's
-    traceback and failure table."""
+def test_an_error_both_ranks_meet_is_one_line(tmp_path):
+    """Both ranks refuse the file: one line for the two (each printed its own copy: eight on a
+    node of eight GPUs), and none of torchrun's traceback and failure table."""
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "response": "2"}\n{"prompt": 3}\n')
     status, lines = launch("sft", "--out_dir", tmp_path / "out", "--data", bad)
     assert status == 1
     hint = ' (or a conversation: a list of {"role", "content"} messages)'
-    assert lines == [f"error: {bad}:2: expected a string field 'prompt'{hint}"] * 2, lines
+    assert lines == [f"error: {bad}:2: expected a string field 'prompt'{hint}"], lines
     # the --out_dir the run made and never wrote to is gone again (`common.remove_empty_folders`)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("mode,lines", [("alike", 1), ("own", 2), ("bar", 1)])
+def test_a_node_prints_each_error_line_once(mode, lines):
+    """`common.print_error` under 2 ranks: a line the two ranks meet alike once, the ranks' own
+    lines each; rank 1's line starts a line of its own after rank 0's bar, and adds no blank
+    line where there is no bar (`common.bar_break`)."""
+    p = run("tests/console_check.py", mode, check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    errors = [line for line in p.stderr.split("\n") if line.startswith("error:")]
+    assert len(errors) == lines and len(set(errors)) == lines, p.stderr
+    if mode == "bar":
+        assert "0/10 [00:00<?, ?it/s]\nerror: every rank's alike\n" in p.stderr, p.stderr
+    else:
+        assert not p.stderr.startswith("\n") and "\n\n" not in p.stderr, p.stderr
 
 
 def test_a_bad_flag_and_help_are_printed_once(tmp_path):
