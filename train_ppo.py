@@ -805,6 +805,10 @@ def check_reward_flags(args):
         return
     specs = rule_specs(args.reward_fn)
     rule_weights(args.reward_weights, len(specs))
+    # one spelling of each list, so that a resume compares what they say, not their spaces
+    args.reward_fn = ",".join(specs)
+    if args.reward_weights:
+        args.reward_weights = ",".join(w.strip() for w in args.reward_weights.split(","))
     for spec in specs:
         rule = functools.partial(load_rule, spec, "--reward_fn")
         common.import_on_every_rank(f"--reward_fn {spec}", rule)

@@ -321,6 +321,19 @@ def test_a_rule_that_is_no_function_is_refused_before_the_models_load(flags, nee
         train_ppo.check_reward_flags(train_ppo.Args(**flags))
 
 
+def test_the_rule_lists_are_spelt_one_way_for_a_resume():
+    """A resume compares --reward_fn and --reward_weights as the checkpoint's meta.json holds
+    them: 'task:reward_fn, task:reward_fn_v2' against the same list without the space was
+    refused as another run's. check_reward_flags writes each list one way."""
+    import train_ppo
+
+    args = train_ppo.Args(
+        reward_fn=" tests.learnable:ones ,task:reward_fn", reward_weights="1, 0.5"
+    )
+    train_ppo.check_reward_flags(args)
+    assert (args.reward_fn, args.reward_weights) == ("tests.learnable:ones,task:reward_fn", "1,0.5")
+
+
 def test_max_new_tokens_beyond_the_context_names_the_flag():
     """It blamed the first prompt: "6 characters, more than -36 tokens can hold"."""
     from transformers import AutoTokenizer
