@@ -1362,23 +1362,30 @@ def optimizer_step(roles, max_grad_norm):
 @torch.no_grad()
 def evaluate(args, engine, tok, models, items, device):
     """{"eval/accuracy": mean score of greedy responses to held-out prompts (= accuracy for a
-    0/1 reward)}, and with --gold_reward_fn "eval/gold_accuracy", the gold rule's mean score.
+    0/1 reward)}, with --gold_reward_fn "eval/gold_accuracy", the gold rule's mean score, and
+    with several --reward_fn rules "eval/rule/<module.function>", each rule's own mean score.
     Collective: every rank decodes and scores an equal share (scoring may be collective)."""
     mine, counted = common.eval_share(items)  # equal shares: scoring may be collective
     prompt_ids = [ids for ids, _ in mine]
     gen = engine.generate(prompt_ids, 1, args.max_new_tokens, 0.0, 1.0, [0] * len(mine))
     rows = [row for _, row in mine]  # as the data gives them (reward functions)
-    scores, _ = score(args, tok, models, rows, gen.response_ids, gen.finished, device)
+    scores, parts = score(args, tok, models, rows, gen.response_ids, gen.finished, device)
     gold_sum = 0.0
     if args.gold_reward_fn:
         gold = gold_scores(args, tok, rows, gen.response_ids)
         gold_sum = gold[:counted].sum().item()
     # every rank scored a share: the means are over all of them
     local = {"score": scores[:counted].sum().item(), "count": counted, "gold": gold_sum}
+    # the rules' own scores, under their evaluation names ("objective/rule/..." in training)
+    rules = {name.replace("objective/", "eval/", 1): part for name, part in parts.items()}
+    for name, part in rules.items():
+        local[name] = part[:counted].sum().item()
     totals = common.global_sums(local, device)
     metrics = {"eval/accuracy": totals["score"] / totals["count"]}
     if args.gold_reward_fn:
         metrics["eval/gold_accuracy"] = totals["gold"] / totals["count"]
+    for name in rules:
+        metrics[name] = totals[name] / totals["count"]
     return metrics
 
 

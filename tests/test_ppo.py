@@ -123,6 +123,9 @@ def test_each_estimator_raises_the_score_it_is_given(tmp_path, sft_model, estima
     if scale:  # the sum is the learnable rule's (the other weighs 0), and both are logged
         assert [row["objective/rule/tests.learnable.ones"] for row in iterations] == scores
         assert all(0 <= row["objective/rule/task.reward_fn"] <= 1 for row in iterations)
+        start = metrics(str(tmp_path))[0]  # and at the evaluation, each rule's own mean
+        assert start["eval/rule/tests.learnable.ones"] == start["eval/accuracy"], start
+        assert 0 <= start["eval/rule/task.reward_fn"] <= 1, start
     last = sum(scores[-4:]) / 4
     # The SFT model's answers hold ~0.25 '1's (about half the sums are above 99), its first
     # batch's 0.17-0.32 by the seed; after 12 iterations 0.56-0.64 at seeds 1, 2, 3 and 42 (one
