@@ -1460,16 +1460,26 @@ def warn_if_off_policy(args, step, metrics, device):
         )
 
 
-def write_samples(out_dir, step, prompts, raw_scores, gen, tok, n):
-    """Rank 0: a few (prompt, response, score) rows to read, appended to samples.jsonl."""
+def sample_scores(raw_scores, gold, rule_parts):
+    """samples.jsonl's scores of each response: {"score", "gold_score" (with --gold_reward_fn),
+    "rule/<module.function>" (with several --reward_fn rules)}, each [B]."""
+    scores = {"score": raw_scores}
+    if gold is not None:
+        scores["gold_score"] = gold
+    for name, values in rule_parts.items():
+        scores[name.removeprefix("objective/")] = values
+    return scores
+
+
+def write_samples(out_dir, step, prompts, scores, gen, tok, n):
+    """Rank 0: a few (prompt, response, scores) rows to read, appended to samples.jsonl. scores:
+    {name: [B]}, the raw "score" and, where logged, "gold_score" and each rule's ("rule/...")."""
     with checkpoint.open_regular(os.path.join(out_dir, "samples.jsonl"), "a") as f:
-        for i in range(min(4, len(raw_scores))):
-            row = {
-                "step": step,
-                "prompt": prompts[i // n][1]["prompt"],
-                "score": raw_scores[i].item(),
-                "response": tok.decode(gen.response_ids[i], skip_special_tokens=True),
-            }
+        for i in range(min(4, len(gen.response_ids))):
+            row = {"step": step, "prompt": prompts[i // n][1]["prompt"]}
+            for name, values in scores.items():
+                row[name] = values[i].item()
+            row["response"] = tok.decode(gen.response_ids[i], skip_special_tokens=True)
             f.write(json.dumps(row) + "\n")
 
 
@@ -1623,7 +1633,8 @@ def main(args):
             common.print0(eval_line(step, metrics))
         metrics_log.log(metrics, step)
         if rank == 0 and "eval/accuracy" in metrics:
-            write_samples(common.local_dir(args), step, prompts, raw_scores, gen, tok, n)
+            scores = sample_scores(raw_scores, gold, rule_parts)
+            write_samples(common.local_dir(args), step, prompts, scores, gen, tok, n)
         pbar.update(1)
         score_text = f"{metrics['objective/score']:.3f}"
         postfix = {"score": score_text}

@@ -126,6 +126,10 @@ def test_each_estimator_raises_the_score_it_is_given(tmp_path, sft_model, estima
         start = metrics(str(tmp_path))[0]  # and at the evaluation, each rule's own mean
         assert start["eval/rule/tests.learnable.ones"] == start["eval/accuracy"], start
         assert 0 <= start["eval/rule/task.reward_fn"] <= 1, start
+        with open(tmp_path / "samples.jsonl") as f:  # and each sample's, beside its score
+            samples = [json.loads(line) for line in f]
+        assert samples and all(r["rule/tests.learnable.ones"] == r["score"] for r in samples)
+        assert all(r["rule/task.reward_fn"] in (0.0, 1.0) for r in samples), samples
     last = sum(scores[-4:]) / 4
     # The SFT model's answers hold ~0.25 '1's (about half the sums are above 99), its first
     # batch's 0.17-0.32 by the seed; after 12 iterations 0.56-0.64 at seeds 1, 2, 3 and 42 (one
