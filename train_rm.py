@@ -266,7 +266,9 @@ def reward_stats(model, sequences, pad_id, batch_size, device):
     """(mean, std) of r over `sequences` (chosen responses of the training data): what PPO
     subtracts and divides by, so that a --kl_coef means the same for any reward model (the
     normalisation of Ziegler et al. 2019 and Stiennon et al. 2020 [N RM #3]). Two passes, like
-    train_ppo.py's whitening. Collective: every rank scores an equal share."""
+    train_ppo.py's whitening, and like it the biased std (over n; OpenRLHF's is over n - 1, a
+    relative difference of 1/(2n) at --norm_samples n). Collective: every rank scores an equal
+    share."""
     mine, counted = common.eval_share(sequences)
     scores = []
     for start in range(0, len(mine), batch_size):
