@@ -126,8 +126,9 @@ class RunArgs:
     chat_template_kwargs: str = ""
     """a JSON object of extra variables for the chat template, as TRL's and vLLM's
     chat_template_kwargs: '{"enable_thinking": false}' renders Qwen3's prompts in its
-    non-thinking mode. Every prompt of the run renders with them (PPO: the reward model's too);
-    give the same to every stage of a pipeline"""
+    non-thinking mode. Every prompt of the run renders with them (PPO: the reward model's too),
+    and the tokenizer the run saves keeps them as its template's defaults (the next stage need
+    not repeat them)"""
 
 
 # RunArgs' flags a resume must keep, in every stage: the template's variables decide every
@@ -439,6 +440,18 @@ def print0(*parts):
     """print on rank 0 only (or in a process with no group), above the progress bar."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         tqdm.write(" ".join(str(x) for x in parts))
+
+
+def print0_once(line):
+    """print0, the first time this process says `line` (a note about a folder PPO loads three
+    times: actor, reference, critic)."""
+    if line in SAID_ONCE:
+        return
+    SAID_ONCE.add(line)
+    print0(line)
+
+
+SAID_ONCE = set()
 
 
 def print_plan(args, unit, n_train, n_held_out, per_step, step_name="steps"):
@@ -1741,15 +1754,121 @@ def check_chat_template(tok, path, flag):
             f"({checkpoint.describe(e)})"
         )
     if CHAT_TEMPLATE_KWARGS and flag == "--model":
+        # against the template as its author wrote it: a variable an earlier stage recorded
+        # as its default (`record_template_kwargs`) is one it reads
+        template = None
+        if isinstance(tok.chat_template, str):
+            _, template = template_defaults(tok.chat_template)
         try:
-            plain = tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+            plain = tok.apply_chat_template(
+                user, chat_template=template, add_generation_prompt=True, tokenize=False
+            )
         except Exception:  # a template that needs them: they change what it renders
             plain = None
         if text == plain:
-            print0(
+            print0_once(
                 f"note: --chat_template_kwargs {given} change nothing in how {path}'s chat "
                 "template renders a user turn (a variable it does not read, or its default)"
             )
+
+
+# The opening and closing of what a run that gave the chat template variables
+# (--chat_template_kwargs) puts before the template it saves: each variable as the template's
+# default, so that its checkpoints and export render prompts as the run did for whoever reads
+# them next (the next stage without the flag, vLLM, transformers), while a variable given
+# explicitly still wins. The opening comment holds them as JSON, for the next run to read.
+DEFAULTS_OPEN = "{# plainrlhf --chat_template_kwargs "
+DEFAULTS_CLOSE = "{# plainrlhf: end of the defaults #}"
+
+
+def record_template_kwargs(tok, path):
+    """The tokenizer a stage trains and saves (--model's, at `path`) with the run's template
+    variables as its template's defaults, over those an earlier stage recorded there; a note
+    when the recorded ones apply without the flag giving them. Named templates (a dict) each."""
+    if not tok.chat_template:
+        return
+    named = isinstance(tok.chat_template, dict)
+    templates = {None: tok.chat_template}
+    if named:
+        templates = dict(tok.chat_template)
+    recorded, _ = template_defaults(next(iter(templates.values())))
+    if recorded and not CHAT_TEMPLATE_KWARGS:
+        print0(
+            f"note: {path}'s chat template renders with {json.dumps(recorded)} unless told "
+            "otherwise (recorded by the run that saved it; --chat_template_kwargs overrides)"
+        )
+    variables = {**recorded, **CHAT_TEMPLATE_KWARGS}
+    if not variables:
+        return
+    for name, template in templates.items():
+        _, body = template_defaults(template)
+        templates[name] = with_template_defaults(tok, body, variables, path)
+    tok.chat_template = templates
+    if not named:
+        tok.chat_template = templates[None]
+
+
+def template_defaults(template):
+    """(the variables a plainrlhf run recorded in `template`, the template without them)."""
+    if not template.startswith(DEFAULTS_OPEN) or DEFAULTS_CLOSE not in template:
+        return {}, template
+    head, _, body = template.partition(DEFAULTS_CLOSE)
+    try:
+        recorded = json.loads(head[len(DEFAULTS_OPEN) :].split(" #}", 1)[0])
+    except ValueError:  # not ours after all (edited by hand): the template as it is
+        return {}, template
+    if not isinstance(recorded, dict):
+        return {}, template
+    return recorded, body
+
+
+def with_template_defaults(tok, body, variables, path):
+    """`body` with `variables` as its defaults: `{% if x is not defined %}{% set x = ... %}` each
+    (a top-level `if` opens no scope in Jinja; one given explicitly passes it by), after a
+    comment holding them as JSON. Checked by rendering a user turn: the new template without
+    variables as `body` with them; a name Jinja cannot set (`none`) is one line."""
+    record = json.dumps(variables, sort_keys=True).replace("#}", "#\\u007d")  # (in a string)
+    sets = [
+        f"{{% if {name} is not defined %}}{{% set {name} = {jinja_literal(value)} %}}{{% endif %}}"
+        for name, value in sorted(variables.items())
+        if name.isidentifier()  # (another key no template can read as a variable)
+    ]
+    template = DEFAULTS_OPEN + record + " #}" + "".join(sets) + DEFAULTS_CLOSE + body
+    user = [{"role": "user", "content": "1+1="}]
+    why = "it renders a user turn otherwise than the variables given"
+    try:
+        want = tok.apply_chat_template(
+            user, chat_template=body, add_generation_prompt=True, tokenize=False, **variables
+        )
+        got = tok.apply_chat_template(
+            user, chat_template=template, add_generation_prompt=True, tokenize=False
+        )
+    except Exception as e:  # jinja's TemplateSyntaxError: `{% set none = ... %}`
+        want = None
+        got = None
+        why = checkpoint.describe(e)
+    if got != want or want is None:
+        raise SystemExit(
+            f"error: --chat_template_kwargs {json.dumps(CHAT_TEMPLATE_KWARGS)}: cannot be "
+            f"written into {path}'s chat template as its defaults ({why}); rename the variable"
+        )
+    return template
+
+
+def jinja_literal(value):
+    """A JSON value as a Jinja expression of the same value (a string through ascii(): Jinja
+    reads Python's escapes)."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return ascii(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(jinja_literal(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{ascii(k)}: {jinja_literal(v)}" for k, v in value.items()) + "}"
+    return repr(value)  # a number (NaN and infinities: no Jinja name, refused by the check)
 
 
 def check_generation_config(path, model, flag):

@@ -288,6 +288,7 @@ def main(args):
     model, tok = common.load_model_and_tokenizer(
         args.model, AutoModelForCausalLM, args.attn_implementation
     )
+    common.record_template_kwargs(tok, args.model)  # so the export renders as this run did
     # The policy stays in eval mode (from_pretrained's), dropout off, as in the DPO authors' code
     # (`disable_dropout`) and TRL's (`disable_dropout=True`): the implicit reward
     # β·log(π/π_ref) then compares the two models themselves, not a dropout mask, and at step 1

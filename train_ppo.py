@@ -523,6 +523,7 @@ def build_models(args, device):
     at a time, not all four (at 7B parameters in fp32, 28 GB each, on each of 8 ranks)."""
     attention = args.attn_implementation
     actor, tok = common.load_model_and_tokenizer(args.model, AutoModelForCausalLM, attention)
+    common.record_template_kwargs(tok, args.model)  # so the export renders as this run did
     place_model(actor, args, device, trained=True)
     # --kl_coef 0, no --target_kl: the KL weighs nothing; no reference (as TRL's GRPO at beta 0)
     ref = None

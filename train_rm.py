@@ -292,6 +292,7 @@ def build_reward_model(args):
         new_head=True,  # from a causal LM; a reward model's own head is kept (below)
         num_labels=1,
     )
+    common.record_template_kwargs(tok, args.model)  # so the export renders as this run did
     # A causal LM folder has no reward head: transformers made one from the global RNG, which
     # differs per rank. A sequence classifier's own head (a reward model trained on) is kept.
     if model.fresh_head:

@@ -228,6 +228,7 @@ def main(args):
     model, tok = common.load_model_and_tokenizer(
         args.model, AutoModelForCausalLM, args.attn_implementation
     )
+    common.record_template_kwargs(tok, args.model)  # so the export renders as this run did
     # from_pretrained returns eval mode: dropout would be silently off until the first eval
     model.train()
     # The model folder's generation_config goes to the exports (with the responses' end among its

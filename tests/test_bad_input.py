@@ -176,6 +176,8 @@ def test_resume_keeps_the_chat_template_kwargs(tmp_path):
     from before the flag (no such setting in its meta.json: `checkpoint.NEWER_FLAGS`) counts as
     written under its default, '', whose resume goes on. The tiny model with a template that
     reads Qwen3's switch (`tests/test_units.py: THINKING_TEMPLATE`)."""
+    from transformers import AutoTokenizer
+
     task.ensure_tiny_model()
     model = tmp_path / "model"
     shutil.copytree(task.TINY_MODEL, model)
@@ -194,6 +196,15 @@ def test_resume_keeps_the_chat_template_kwargs(tmp_path):
     p = run_py("train_sft.py", *args, "--resume", "latest", *thinking)
     assert_one_line_error(p, "--chat_template_kwargs '' -> '{\"enable_thinking\": false}'")
     assert run_py("train_sft.py", *args, "--resume", "latest").returncode == 0
+    # a run with them exports a template that renders as it did, untold
+    # (`common.record_template_kwargs`)
+    args = ("--model", model, "--out_dir", tmp_path / "with", "--max_steps", 1)
+    args += ("--train_batch_size", 8, "--micro_batch_size", 8, "--eval_samples", 8)
+    assert run_py("train_sft.py", *args, *thinking).returncode == 0
+    tok = AutoTokenizer.from_pretrained(tmp_path / "with" / "hf")
+    user = [{"role": "user", "content": "1+1="}]
+    text = tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+    assert text == "user: 1+1= assistant: <think></think>"
 
 
 @pytest.mark.parametrize(

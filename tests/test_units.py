@@ -1341,6 +1341,59 @@ def test_a_failed_start_removes_only_the_empty_folders_it_made(tmp_path):
     assert out.parent.is_dir()
 
 
+def test_the_template_variables_travel_with_the_tokenizer(tmp_path, monkeypatch, capsys):
+    """A stage's --chat_template_kwargs become its template's defaults
+    (`common.record_template_kwargs`): the tokenizer it saves renders as the run did without
+    being told (the next stage, vLLM, plain transformers), a variable given explicitly wins, a
+    later stage keeps them (with a note) and adds its own over them, once."""
+    from transformers import AutoTokenizer
+
+    task.ensure_tiny_model()
+    tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
+    tok.chat_template = THINKING_TEMPLATE
+    user = [{"role": "user", "content": "1+1="}]
+
+    def render(tok, **variables):
+        return tok.apply_chat_template(
+            user, add_generation_prompt=True, tokenize=False, **variables
+        )
+
+    awkward = "a'b\"#}\u00e9\n{{ x }}"  # quotes, a comment's end, non-ASCII, a line, Jinja
+    flag = {"enable_thinking": False, "note": awkward, "n": [1, None, {"k": True}]}
+    monkeypatch.setattr(common, "CHAT_TEMPLATE_KWARGS", dict(flag))
+    common.record_template_kwargs(tok, "sft")
+    assert render(tok) == "user: 1+1= assistant: <think></think>"
+    assert render(tok, enable_thinking=True) == "user: 1+1= assistant: "
+    tok.save_pretrained(tmp_path / "export")
+    export = AutoTokenizer.from_pretrained(tmp_path / "export")  # plain transformers
+    assert render(export) == "user: 1+1= assistant: <think></think>"
+    assert common.template_defaults(export.chat_template) == (flag, THINKING_TEMPLATE)
+    # the next stage, without the flag: the template as it was, and a note saying why
+    monkeypatch.setattr(common, "CHAT_TEMPLATE_KWARGS", {})
+    saved = export.chat_template
+    common.record_template_kwargs(export, "sft/hf")
+    assert export.chat_template == saved
+    assert capsys.readouterr().out.startswith("note: sft/hf's chat template renders with {")
+    # with the flag repeated no note says it changes nothing; a new variable joins the old ones
+    monkeypatch.setattr(common, "CHAT_TEMPLATE_KWARGS", {"enable_thinking": False, "extra": 2})
+    common.check_chat_template(export, "sft/hf", "--model")
+    common.record_template_kwargs(export, "sft/hf")
+    assert capsys.readouterr().out == ""
+    assert export.chat_template.count(common.DEFAULTS_OPEN) == 1
+    assert common.template_defaults(export.chat_template)[0] == {**flag, "extra": 2}
+    # named templates each; a name Jinja cannot set is refused in one line
+    tok.chat_template = {"default": THINKING_TEMPLATE, "tool_use": THINKING_TEMPLATE}
+    common.record_template_kwargs(tok, "m")
+    assert render(tok) == "user: 1+1= assistant: <think></think>"
+    recorded = common.template_defaults(tok.chat_template["tool_use"])[0]
+    assert recorded == {"enable_thinking": False, "extra": 2}
+    monkeypatch.setattr(common, "CHAT_TEMPLATE_KWARGS", {"none": 1})
+    with pytest.raises(
+        SystemExit, match=r'^error: --chat_template_kwargs \{"none": 1\}: cannot be'
+    ):
+        common.record_template_kwargs(AutoTokenizer.from_pretrained(tmp_path / "export"), "m")
+
+
 def test_chat_template_kwargs_reach_every_rendering(monkeypatch, capsys):
     """--chat_template_kwargs (`common.CHAT_TEMPLATE_KWARGS`): Qwen3's switch, a template variable,
     reaches the prompt's text and ids, and so what SFT trains on; a template that needs the
