@@ -442,6 +442,10 @@ def print0(*parts):
         tqdm.write(" ".join(str(x) for x in parts))
 
 
+# The lines print0_once has printed in this process
+SAID_ONCE = set()
+
+
 def print0_once(line):
     """print0, the first time this process says `line` (a note about a folder PPO loads three
     times: actor, reference, critic)."""
@@ -449,9 +453,6 @@ def print0_once(line):
         return
     SAID_ONCE.add(line)
     print0(line)
-
-
-SAID_ONCE = set()
 
 
 def print_plan(args, unit, n_train, n_held_out, per_step, step_name="steps"):
