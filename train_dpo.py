@@ -191,6 +191,7 @@ def load_data(args, tok, max_len):
     """(training pairs [(chosen, rejected)], held-out {"prompt", "response"} rows)."""
     if args.data:
         train = common.load_pairs(args.data)
+        note_margins(args.data, train)
     else:
         train = common.numbered("embedded task", task.make_pairs("train"))
     if args.eval_data:
@@ -210,6 +211,17 @@ def load_data(args, tok, max_len):
     held_out = held_out[: args.eval_samples]
     common.check_held_out(tok, held_out, max_len)
     return train, [row for _, row in held_out]
+
+
+def note_margins(path, rows):
+    """A note where pairs carry a "margin" (TRL's reward data may; `train_rm.py: pair_margin`
+    reads it): DPO's loss has no margin of a pair's own, and the field would go unread unsaid."""
+    n = sum(1 for _, row in rows if "margin" in row)
+    if n:
+        common.print0(
+            f"note: {path}: {n:,} of its {len(rows):,} pairs have a 'margin' field, which "
+            "train_rm.py reads (the Bradley-Terry margin); DPO's loss has none and leaves it unread"
+        )
 
 
 def pair_logprobs(model, pairs, pad_id, device):

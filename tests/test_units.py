@@ -1431,3 +1431,14 @@ def test_chat_template_kwargs_reach_every_rendering(monkeypatch, capsys):
     common.check_chat_template(tok, "m", "--model")
     note = 'note: --chat_template_kwargs {"enable_thinkin": false} change nothing in how m\'s'
     assert capsys.readouterr().out.startswith(note)
+
+
+def test_dpo_says_it_leaves_a_pairs_margin_unread(capsys):
+    """train_rm.py reads a pair's "margin" (TRL's reward data may carry one); DPO's loss has no
+    margin of a pair's own, and took such a file without a word."""
+    rows = [("p.jsonl:1", {"margin": 1.5}), ("p.jsonl:2", {}), ("p.jsonl:3", {"margin": 0})]
+    train_dpo.note_margins("p.jsonl", rows)
+    note = "note: p.jsonl: 2 of its 3 pairs have a 'margin' field, which train_rm.py reads"
+    assert capsys.readouterr().out.startswith(note)
+    train_dpo.note_margins("p.jsonl", rows[1:2])
+    assert capsys.readouterr().out == ""
