@@ -113,10 +113,17 @@ def make_pairs(split, per_prompt=1):
 def reward_fn(prompt, response):
     """1.0 when the response is the right sum, else 0.0. `response` is the decoded text, EOS
     removed; `prompt` the data's, "a+b=" or a conversation whose last turn is that."""
+    a, b = sum_operands(prompt)
+    return 1.0 if response.strip() == str(a + b) else 0.0
+
+
+def sum_operands(prompt):
+    """(a, b) of a prompt "a+b=" (or a conversation whose last turn is that); a ValueError for
+    any other prompt."""
     if not isinstance(prompt, str):
         prompt = prompt[-1]["content"]
     a, b = prompt.strip().rstrip("=").split("+")
-    return 1.0 if response.strip() == str(int(a) + int(b)) else 0.0
+    return int(a), int(b)
 
 
 # ---- the tiny model's assets ---------------------------------------------------------------------

@@ -715,6 +715,7 @@ def load_data(args, tok, context, reward_tok):
     held_out_rows = held_out_rows[: args.eval_samples]
     for spec, flag in rules_in_use(args):
         check_rule_fields(spec, flag, train_rows + held_out_rows)
+        check_task_prompts(spec, flag, train_rows + held_out_rows)
     new = args.max_new_tokens
     train = load_prompts(train_rows, tok, new, context, reward_tok)
     held_out = load_prompts(held_out_rows, tok, new, context, reward_tok)
@@ -724,6 +725,22 @@ def load_data(args, tok, context, reward_tok):
             f"--rollout_batch_size {args.rollout_batch_size}"
         )
     return train, held_out
+
+
+def check_task_prompts(spec, flag, rows):
+    """The embedded task's rule (the default --reward_fn) scores its own "a+b=" prompts only: on
+    a --data of other prompts it raised at the first scoring, after every model had loaded."""
+    if spec != "task:reward_fn":
+        return
+    for where, row in rows:
+        try:
+            task.sum_operands(row["prompt"])
+        except ValueError:
+            raise SystemExit(
+                f"error: {where}: {flag} task:reward_fn, the embedded task's rule, scores 'a+b=' "
+                f"prompts, not {row['prompt']!r:.60}; give a --reward_fn of your own "
+                "(module:function) or a --reward_model"
+            )
 
 
 def check_args(args, world):

@@ -914,3 +914,15 @@ def test_several_nodes_never_install_the_venv_at_once(tmp_path):
         p, "error: .venv is missing or not current for this machine", "once on one"
     )
     assert not (tmp_path / ".venv").exists()
+
+
+def test_the_default_rule_on_prompts_that_are_no_sums_is_refused_at_the_start(tmp_path):
+    """--data of a user's prompts with the default --reward_fn, the embedded task's rule, failed
+    at the first scoring ("not enough values to unpack"), after the engine had started."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text('{"prompt": "12+30="}\n{"prompt": "Say hi"}\n')
+    args = ("--model", task.TINY_MODEL, "--data", data, "--out_dir", tmp_path / "out")
+    p = run_py("train_ppo.py", *args, "--max_steps", 1, "--rollout_engine", "hf")
+    assert_one_line_error(
+        p, f"{data}:2: --reward_fn task:reward_fn, the embedded task's rule, scores 'a+b='"
+    )
