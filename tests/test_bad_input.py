@@ -742,6 +742,12 @@ def edit_json(name, change):
             "eos_token_id 1000000 is no token of the model",
         ),
         (
+            # transformers loads it, and refuses to save it: every checkpoint failed
+            edit_json("generation_config.json", {"temperature": 0.7}),
+            "transformers would refuse to save it, and every checkpoint with it (`temperature`: "
+            "`do_sample` is not set to `True`.",
+        ),
+        (
             # 99 tokens, 128 embedding rows: transformers adds it at id 99, an untrained row
             edit_json("tokenizer_config.json", {"eos_token": "<|end|>"}),
             "eos_token '<|end|>' is not in tokenizer.json: transformers would add it as a new "
@@ -763,6 +769,7 @@ def edit_json(name, change):
         "template-syntax",
         "eos-a-string",
         "eos-outside-the-vocabulary",
+        "sampling-without-do-sample",
         "eos-token-not-in-tokenizer-json",
         "bos-token-not-in-tokenizer-json",
     ],
