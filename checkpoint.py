@@ -57,8 +57,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict import set_state_dict
+from torch.distributed.tensor import DTensor
 
 import objstore
 
@@ -282,10 +284,45 @@ def _is_count(x):
 class _SafePlanner(DefaultLoadPlanner):
     """Assumes flatten_state_dict=True, the default."""
 
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        for key, value in self.state_dict.items():  # flattened: "model.model.lm_head.weight"
+            _check_stored(key, value, self.metadata.state_dict_metadata.get(key))
+
     def load_bytes(self, read_item, value):
         # DefaultLoadPlanner's own is torch.load(weights_only=False): code could run from here
-        fqn = self.mappings[read_item.dest_index.fqn]
-        set_element(self.original_state_dict, fqn, torch.load(value, weights_only=True))
+        key = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:  # its text: a page of advice, in terminal colours
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+            what = "torch's weights-only loader refuses it"
+            if found:
+                what = f"the global {found.group(1)}: torch's weights-only loader refuses it"
+            raise CheckpointError(f"{key}: refusing to unpickle it ({what})")
+        set_element(self.original_state_dict, self.mappings[key], loaded)
+
+
+def _check_stored(key, value, stored):
+    """What the checkpoint's .metadata says it holds for `key` must be what the state to fill
+    holds (`value`): a tensor of its dtype and global shape. Else DCP put whatever bytes it had in
+    a tensor's place (the export saved the model's fresh random weight for it, a resume raised a
+    traceback at set_state_dict), cast another dtype into it (int32 read as float weights), or
+    raised its own message, which names neither the checkpoint nor the entry plainly."""
+    if stored is None:
+        raise CheckpointError(f"{key}: missing (the checkpoint of another model or optimizer?)")
+    if not isinstance(value, torch.Tensor):
+        return  # a setting (a param group's lr), or a step count of a number
+    if not isinstance(stored, TensorStorageMetadata):
+        raise CheckpointError(f"{key}: expected a tensor, the checkpoint holds other data")
+    if stored.properties.dtype != value.dtype:
+        raise CheckpointError(
+            f"{key}: {stored.properties.dtype} in the checkpoint, {value.dtype} expected"
+        )
+    if tuple(stored.size) != tuple(value.shape):  # a DTensor's shape is the global one
+        raise CheckpointError(
+            f"{key}: shape {tuple(stored.size)} in the checkpoint, {tuple(value.shape)} expected"
+        )
 
 
 def dcp_load(state, path, no_dist=False, sizes=None):
@@ -297,7 +334,53 @@ def dcp_load(state, path, no_dist=False, sizes=None):
     # A refused .metadata raises here, as itself: inside dcp.load, DCP would log its traceback,
     # retry it as "rank-local metadata", and wrap the error in a CheckpointException.
     reader.read_metadata()
-    dcp.load(state, storage_reader=reader, planner=_SafePlanner(), no_dist=no_dist)
+    try:
+        dcp.load(state, storage_reader=reader, planner=_SafePlanner(), no_dist=no_dist)
+    except CheckpointException as e:  # every rank's (DCP gathers the plans' failures)
+        failures = [errors[0] for errors in e.failures.values()]
+        ours = [f for f in failures if isinstance(f, CheckpointError)]
+        if ours:
+            raise CheckpointError(f"{os.path.dirname(path)}: {ours[0]}") from None
+        raise
+    problems = [_unsaveable_value(state)]
+    if not no_dist and dist.is_initialized():
+        problems = [None] * dist.get_world_size()
+        # each rank checked its own shards: every rank stops, or none
+        dist.all_gather_object(problems, _unsaveable_value(state))
+    found = [problem for problem in problems if problem]
+    if found:
+        raise CheckpointError(f"{os.path.dirname(path)}: {found[0]}")
+
+
+def _unsaveable_value(state):
+    """The first tensor of a loaded state that no run saves, said in a few words, or None: one
+    not finite (a step that diverges is never applied nor saved: `common.clip_grad_norm`), or an
+    AdamW second moment or step below 0. A crafted checkpoint with one (its manifest written
+    anew, so it verifies) trained on to NaN weights, then saved and exported them, exit status
+    0. This rank's shards of the DTensors."""
+    for name, value in _tensors(state):
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            return f"{name}: not finite (NaN or inf), which no run saves"
+        nonnegative = name.rsplit(".", 1)[-1] in ("exp_avg_sq", "max_exp_avg_sq", "step")
+        if nonnegative and (value < 0).any():
+            return f"{name}: below 0, which no run saves"
+    return None
+
+
+def _tensors(value, name=""):
+    """(dotted name, tensor) of every tensor in nested dicts and lists."""
+    if isinstance(value, torch.Tensor):
+        yield name, value
+        return
+    items = []
+    if isinstance(value, dict):
+        items = value.items()
+    if isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    for key, item in items:
+        yield from _tensors(item, f"{name}.{key}".lstrip("."))
 
 
 # ---- what a checkpoint holds ---------------------------------------------------------------------

@@ -1511,13 +1511,13 @@ def restore_schedules(meta, scheds, where, args):
         raise checkpoint.CheckpointError(f"{where}: expected scheduler states of {sorted(scheds)}")
     for name, sched in scheds.items():
         checkpoint.restore_scheduler(sched, states[name], where)
-    kl_coef = meta.get("kl_coef")
-    is_number = isinstance(kl_coef, (int, float)) and not isinstance(kl_coef, bool)
-    if not is_number or not math.isfinite(kl_coef) or kl_coef < 0:
-        raise checkpoint.CheckpointError(f"{where}: kl_coef {kl_coef!r}, expected a number >= 0")
+    kl_coef = common.finite_number(meta.get("kl_coef"))  # None: no number, or 10**400
+    if kl_coef is None or kl_coef < 0:
+        saved = f"{meta.get('kl_coef')!r:.40}"
+        raise checkpoint.CheckpointError(f"{where}: kl_coef {saved}, expected a number >= 0")
     if args.target_kl == 0:
         return args.kl_coef
-    return float(kl_coef)
+    return kl_coef
 
 
 # Settings a resumed run must share with its checkpoint (others, like --lr, may change).

@@ -13,6 +13,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import checkpoint
+from conftest import latest
+from conftest import rewrite_manifest
 from conftest import run_py
 from conftest import write_small_checkpoint
 
@@ -263,7 +265,7 @@ def test_a_resumed_schedule_follows_this_runs_lr():
     assert fresh.get_last_lr() == [saved.get_last_lr()[0] / 2]
 
 
-@pytest.mark.parametrize("kl_coef", ["0.1", -1.0, float("inf"), True, None])
+@pytest.mark.parametrize("kl_coef", ["0.1", -1.0, float("inf"), True, None, 10**400])
 def test_a_crafted_kl_coef_is_refused(kl_coef):
     import train_ppo
 
@@ -825,3 +827,97 @@ def test_a_resume_on_a_store_takes_the_store_logs_unless_they_lack_rows(
     assert [r["step"] for r in map(json.loads, open(local / "metrics.jsonl"))] == [1, 2, 3]
     assert capsys.readouterr().err.startswith(f"warning: {store}/metrics.jsonl: not fetched (")
     fs.rm(path, recursive=True)
+
+
+@pytest.fixture(scope="module")
+def sft_checkpoint(tmp_path_factory):
+    """A real checkpoint: one SFT step of the tiny model, one process."""
+    import task
+
+    out = tmp_path_factory.mktemp("sft")
+    args = ("--model", task.TINY_MODEL, "--out_dir", out, "--max_steps", 1, "--eval_every", 0)
+    p = run_py("train_sft.py", *args, "--train_batch_size", 8, "--micro_batch_size", 8)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return latest(out)
+
+
+def edit_dcp(ckpt, edit):
+    """The checkpoint's DCP state through one torch file, `edit`ed in place, written back as DCP,
+    and the manifest rewritten to match, as an attacker would: it verifies."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+
+    whole = str(ckpt / "whole.pt")
+    dcp_to_torch_save(str(ckpt / "dcp"), whole)
+    state = torch.load(whole, weights_only=False)  # the test's own file
+    edit(state["model"])
+    torch.save(state, whole)
+    shutil.rmtree(ckpt / "dcp")
+    torch_save_to_dcp(whole, str(ckpt / "dcp"))
+    os.unlink(whole)
+    rewrite_manifest(ckpt)
+
+
+def set_weight(name, value):
+    def edit(state):
+        state["model"][name] = value(state["model"][name])
+
+    return edit
+
+
+def set_moment(name, value):
+    def edit(state):
+        moments = state["optim"]["state"]["model.norm.weight"]
+        moments[name] = value(moments[name])
+
+    return edit
+
+
+def drop_weight(state):
+    del state["model"]["lm_head.weight"]
+
+
+def an_object_setting(state):
+    state["optim"]["param_groups"][0]["foreach"] = object()
+
+
+NORM = "model.model.model.norm.weight"
+MOMENTS = "model.optim.state.model.norm.weight"
+
+
+@pytest.mark.parametrize(
+    "command,edit,needle",
+    [
+        (
+            "export",
+            set_weight("lm_head.weight", lambda w: "x"),
+            "model.model.lm_head.weight: expec",
+        ),
+        ("export", set_weight("model.norm.weight", lambda w: w.long()), f"{NORM}: torch.int64 in"),
+        ("export", set_weight("model.norm.weight", lambda w: w / 0), f"{NORM}: not finite"),
+        ("export", drop_weight, "model.model.lm_head.weight: missing"),
+        ("resume", set_moment("exp_avg_sq", lambda m: -m - 1), f"{MOMENTS}.exp_avg_sq: below 0"),
+        ("resume", set_moment("step", lambda m: "1"), f"{MOMENTS}.step: expected a tensor"),
+        ("resume", set_moment("exp_avg", lambda m: m.view(-1, 2)), f"{MOMENTS}.exp_avg: shape ("),
+        ("resume", an_object_setting, "model.optim.param_groups.0.foreach: refusing to unpickle"),
+    ],
+    ids=["a-string", "int64", "nan", "missing", "negative", "step-string", "shape", "object"],
+)
+def test_a_crafted_dcp_entry_is_one_line(tmp_path, sft_checkpoint, command, edit, needle):
+    """A checkpoint whose DCP state was edited (and its manifest rewritten: it verifies). The
+    export wrote the model's fresh random weight for an entry stored as other data, or missing,
+    and cast an int64 one into the float weights, exit status 0; a resume ran AdamW from a
+    negative second moment to NaN weights, saved and exported them, exit status 0, or raised a
+    traceback of 25 to 2,000 lines (`checkpoint.py: _check_stored`, `_unsaveable_value`)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(sft_checkpoint, ckpt)
+    edit_dcp(ckpt, edit)
+    if command == "export":
+        p = run_py("checkpoint.py", "export", ckpt, tmp_path / "hf")
+    else:
+        args = ("--resume", ckpt, "--out_dir", tmp_path / "run", "--max_steps", 2)
+        p = run_py("train_sft.py", *args, "--train_batch_size", 8, "--micro_batch_size", 8)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 1, p.stderr[-2000:]
+    assert lines[0].startswith(f"error: {ckpt}: {needle}"), lines
+    assert not (tmp_path / "hf").exists()
