@@ -1672,8 +1672,16 @@ def _load_model_and_tokenizer(path, cls, attn_implementation, new_head, flag, kw
     check_num_labels(path, config, kwargs.get("num_labels"), flag)
     model, info = load_weights(path, classifier_class(config, cls), kwargs, flag)
     model.fresh_head = check_all_loaded(path, info["missing_keys"], new_head, flag)
+    check_all_used(path, info["unexpected_keys"], new_head, flag)
     check_generation_config(path, model, flag)
     check_special_tokens_known(tok, path, flag)
+    check_finite_weights(model, info["missing_keys"], path, flag)
+    limit = tok.model_max_length  # compared with every text's length as it is encoded
+    if isinstance(limit, bool) or not isinstance(limit, numbers.Real):
+        raise SystemExit(
+            f"error: {flag} {path}: tokenizer_config.json: model_max_length {limit!r:.40}, "
+            "expected a number"
+        )
     digest = folder_digest(tok, config, model, info["missing_keys"])  # before PAD is set
     if tok.eos_token_id is None:
         raise SystemExit(f"error: {flag} {path}: the tokenizer has no EOS token")
@@ -1686,6 +1694,18 @@ def _load_model_and_tokenizer(path, cls, attn_implementation, new_head, flag, kw
             f"{rows} rows; call model.resize_token_embeddings(len(tokenizer)) and save the model"
         )
     return (model, tok), digest
+
+
+def check_finite_weights(model, missing, path, flag):
+    """Every weight the folder gave must be finite: a NaN or inf in its model.safetensors (a
+    diverged run's export, a damaged file) stopped the first step as "training diverged (a --lr
+    too high?)", blaming a flag. In chunks: no bool copy of a whole embedding at once."""
+    for name, param in model.named_parameters():
+        if name in missing or not param.is_floating_point():
+            continue
+        for chunk in param.detach().view(-1).split(2**24):
+            if not torch.isfinite(chunk).all():
+                raise SystemExit(f"error: {flag} {path}: weight {name} holds NaN or inf")
 
 
 def folder_digest(tok, config, model, missing):
@@ -2026,6 +2046,23 @@ def check_all_loaded(path, missing, new_head, flag="--model"):
             "missing); is it a model of this kind (a reward model for --reward_model)?"
         )
     return any(k.startswith(CLASSIFIER_HEADS) for k in missing)
+
+
+# A causal LM's own heads, which a classifier built from its folder (new_head) leaves unused
+CAUSAL_HEADS = ("lm_head.", "embed_out.")
+
+
+def check_all_used(path, unexpected, new_head, flag="--model"):
+    """One line if the folder holds weights the model leaves unused (transformers drops them with
+    a log line the quiet console hides): a config.json saying 2 layers over a 4-layer folder's
+    weights trained a 2-layer model, silently. With new_head, the causal LM head may go unused."""
+    unused = [k for k in unexpected if not (new_head and k.startswith(CAUSAL_HEADS))]
+    if unused:
+        shown = ", ".join(sorted(unused)[:3])
+        raise SystemExit(
+            f"error: {flag} {path}: the model its config.json describes leaves weights of the "
+            f"folder unused: {shown} ({len(unused)} in all); does config.json belong to them?"
+        )
 
 
 def value_head(model):

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 
 import task
 from conftest import CPU_ONLY
@@ -716,10 +717,42 @@ def edit_json(name, change):
     return damage
 
 
+def edit_weights(change):
+    """A damage: the model folder's model.safetensors, `change`d ({name: tensor} in place)."""
+
+    def damage(folder):
+        import safetensors.torch
+
+        path = str(folder / "model.safetensors")
+        tensors = safetensors.torch.load_file(path)
+        change(tensors)
+        safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
+
+    return damage
+
+
+def a_nan_weight(tensors):
+    tensors["model.norm.weight"][3] = float("nan")
+
+
+def an_unused_weight(tensors):
+    tensors["model.layers.9.mlp.up_proj.weight"] = torch.zeros(2, 2)
+
+
 @pytest.mark.parametrize(
     "damage,needle",
     [
         (edit_json("config.json", {"hidden_size": "abc"}), "cannot load (StrictDataclass"),
+        (edit_weights(a_nan_weight), "weight model.norm.weight holds NaN or inf"),
+        (
+            edit_weights(an_unused_weight),
+            "the model its config.json describes leaves weights of the folder unused: "
+            "model.layers.9.mlp.up_proj.weight (1 in all)",
+        ),
+        (
+            edit_json("tokenizer_config.json", {"model_max_length": "abc"}),
+            "tokenizer_config.json: model_max_length 'abc', expected a number",
+        ),
         (edit_json("config.json", {"num_attention_heads": 0}), "cannot load (ZeroDivisionError"),
         (edit_json("generation_config.json", "[]"), "cannot load (TypeError"),
         (edit_json("generation_config.json", "{"), "generation_config.json: cannot load"),
@@ -760,6 +793,9 @@ def edit_json(name, change):
     ],
     ids=[
         "config-field-type",
+        "a-nan-weight",
+        "an-unused-weight",
+        "model-max-length-text",
         "zero-heads",
         "generation-config-a-list",
         "generation-config-cut",
