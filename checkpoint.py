@@ -2095,6 +2095,9 @@ def _export(path, hf, out, role):
         generation_config = None
         if os.path.lexists(os.path.join(hf, "generation_config.json")):  # a reward model has none
             generation_config = GenerationConfig.from_pretrained(hf)
+            problems = unsaveable_generation_config(generation_config)
+            if problems:  # save_pretrained's own check, below, raises a ValueError of a page
+                raise CheckpointError(f"{hf}: generation_config.json: {problems}")
     except CheckpointError:
         raise
     # anything else transformers raises on a crafted hf/ (a config field of the wrong type,
@@ -2116,6 +2119,18 @@ def _export(path, hf, out, role):
     tok.save_pretrained(out)
 
 
+def unsaveable_generation_config(generation_config):
+    """Why transformers' save_pretrained would refuse a generation config that it loads (its
+    strict validation: `temperature` without `do_sample`, common in model folders), in one
+    line, or None."""
+    try:
+        generation_config.validate(strict=True)
+    except ValueError as e:
+        problems = [line[2:] for line in str(e).splitlines() if line.startswith("- ")]
+        return "transformers would refuse to save it (" + ("; ".join(problems) or describe(e)) + ")"
+    return None
+
+
 USAGE = "usage: python checkpoint.py verify CKPT [CKPT...] | export CKPT OUT [--role NAME]"
 
 
@@ -2135,6 +2150,12 @@ def _verify_each(ckpts):
 
 
 def cli(argv):
+    import transformers.utils.logging
+
+    # a quiet console, as a stage's (`common.quiet_console`): the lines of this command only, not
+    # transformers' warnings about the files or its bar while it writes the weights
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     argv = [objstore.local_path(a) for a in argv]  # file:///x is the local /x
     if "" in argv:  # an empty OUT exported the whole model, then failed to write it
         sys.exit(f"error: an empty argument; {USAGE}")

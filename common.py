@@ -1908,14 +1908,9 @@ def check_generation_config(path, model, flag):
         return
     # transformers loads a file its save refuses (`temperature` without `do_sample`, common in
     # model folders): every checkpoint, which saves it, would fail after the first steps
-    try:
-        generation_config.validate(strict=True)
-    except ValueError as e:
-        problems = [line[2:] for line in str(e).splitlines() if line.startswith("- ")]
-        raise SystemExit(
-            f"{where}: transformers would refuse to save it, and every checkpoint with it "
-            f"({'; '.join(problems) or checkpoint.describe(e)}); fix the file"
-        )
+    problems = checkpoint.unsaveable_generation_config(generation_config)
+    if problems:
+        raise SystemExit(f"{where}: {problems}, and every checkpoint with it; fix the file")
     ids = generation_config.eos_token_id
     if not isinstance(ids, list):
         ids = [ids]

@@ -777,8 +777,8 @@ def an_unused_weight(tensors):
         (
             # transformers loads it, and refuses to save it: every checkpoint failed
             edit_json("generation_config.json", {"temperature": 0.7}),
-            "transformers would refuse to save it, and every checkpoint with it (`temperature`: "
-            "`do_sample` is not set to `True`.",
+            "transformers would refuse to save it (`temperature`: `do_sample` is not set to "
+            "`True`.",
         ),
         (
             # 99 tokens, 128 embedding rows: transformers adds it at id 99, an untrained row

@@ -921,3 +921,27 @@ def test_a_crafted_dcp_entry_is_one_line(tmp_path, sft_checkpoint, command, edit
     assert p.returncode == 1 and len(lines) == 1, p.stderr[-2000:]
     assert lines[0].startswith(f"error: {ckpt}: {needle}"), lines
     assert not (tmp_path / "hf").exists()
+
+
+def test_an_export_prints_its_one_line(tmp_path, sft_checkpoint):
+    """`checkpoint.py export` printed transformers' "Writing model shards" bar (and its warnings
+    about the files) around its own line."""
+    p = run_py("checkpoint.py", "export", sft_checkpoint, tmp_path / "hf")
+    assert p.returncode == 0 and p.stderr == "", p.stderr[-2000:]
+    assert p.stdout == f"exported {sft_checkpoint} -> {tmp_path / 'hf'}\n", p.stdout
+
+
+def test_an_export_of_a_generation_config_transformers_will_not_save_is_one_line(
+    tmp_path, sft_checkpoint
+):
+    """A checkpoint's hf/generation_config.json that transformers loads and refuses to save
+    (`temperature` without `do_sample`): the export ended in a traceback of its ValueError."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(sft_checkpoint, ckpt)
+    path = ckpt / "hf" / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "temperature": 0.7}))
+    rewrite_manifest(ckpt)
+    p = run_py("checkpoint.py", "export", ckpt, tmp_path / "hf")
+    line = f"error: {ckpt}/hf: generation_config.json: transformers would refuse to save it ("
+    assert p.returncode == 1 and p.stderr.startswith(line), p.stderr[-2000:]
+    assert p.stderr.count("\n") == 1 and not (tmp_path / "hf").exists()
