@@ -342,27 +342,33 @@ def dcp_load(state, path, no_dist=False, sizes=None):
         if ours:
             raise CheckpointError(f"{os.path.dirname(path)}: {ours[0]}") from None
         raise
-    problems = [_unsaveable_value(state)]
+    mine = _unsaveable_value(state)
+    problems = [mine]
     if not no_dist and dist.is_initialized():
         problems = [None] * dist.get_world_size()
         # each rank checked its own shards: every rank stops, or none
-        dist.all_gather_object(problems, _unsaveable_value(state))
+        dist.all_gather_object(problems, mine)
     found = [problem for problem in problems if problem]
     if found:
         raise CheckpointError(f"{os.path.dirname(path)}: {found[0]}")
 
 
 def _unsaveable_value(state):
-    """The first tensor of a loaded state that no run saves, said in a few words, or None: one
-    not finite (a step that diverges is never applied nor saved: `common.clip_grad_norm`), or an
-    AdamW second moment or step below 0. A crafted checkpoint with one (its manifest written
-    anew, so it verifies) trained on to NaN weights, then saved and exported them, exit status
-    0. This rank's shards of the DTensors."""
+    """The first tensor of a loaded state that no run saves, said in a few words, or None: a
+    weight not finite, NaN anywhere (a step that diverges is never applied nor saved:
+    `common.clip_grad_norm`), an AdamW second moment or step below 0. (An infinite moment is
+    left alone: a finite gradient above 1.8e19, with clipping off, squares to one, and the
+    weights stay finite.) A crafted checkpoint with one (its manifest written anew, so it
+    verifies) trained on to NaN weights, then saved and exported them, exit status 0. This
+    rank's shards of the DTensors."""
     for name, value in _tensors(state):
         if isinstance(value, DTensor):
             value = value.to_local()
-        if value.is_floating_point() and not torch.isfinite(value).all():
-            return f"{name}: not finite (NaN or inf), which no run saves"
+        weight = ".optim." not in f".{name}"
+        if value.is_floating_point() and value.isnan().any():
+            return f"{name}: NaN, which no run saves"
+        if weight and value.is_floating_point() and value.isinf().any():
+            return f"{name}: infinite, which no run saves"
         nonnegative = name.rsplit(".", 1)[-1] in ("exp_avg_sq", "max_exp_avg_sq", "step")
         if nonnegative and (value < 0).any():
             return f"{name}: below 0, which no run saves"

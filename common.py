@@ -33,6 +33,7 @@ import numbers
 import operator
 import os
 import random
+import re
 import signal
 import socket
 import sys
@@ -265,6 +266,11 @@ def parse_args(cls, limits):
 COMPARISONS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
 
+def no_constant(name):
+    """json.loads' parse_constant: NaN, Infinity and -Infinity are Python's, not JSON's."""
+    raise ValueError(f"{name} is no JSON value")
+
+
 def parse_chat_template_kwargs(text):
     """--chat_template_kwargs as a dict ('' is none): a JSON object whose keys are the template's
     variables. A key apply_chat_template takes itself (`tokenize`, `add_generation_prompt`)
@@ -272,7 +278,8 @@ def parse_chat_template_kwargs(text):
     if not text:
         return {}
     try:
-        value = json.loads(text, object_pairs_hook=unique_keys)  # a key twice: refused
+        # a key twice refused; NaN and Infinity too (no JSON, and no Jinja value to record)
+        value = json.loads(text, object_pairs_hook=unique_keys, parse_constant=no_constant)
     except ValueError as e:
         raise SystemExit(f"error: --chat_template_kwargs {text}: not valid JSON ({e})")
     if not isinstance(value, dict):
@@ -295,6 +302,9 @@ def parse_chat_template_kwargs(text):
 # console's: every rendering goes through `render_prompt` (and the two checks of a template),
 # and a constant threaded through each stage's encoders would say no more.
 CHAT_TEMPLATE_KWARGS = {}
+# The variables an earlier stage recorded in --model's template as its defaults
+# (`record_template_kwargs`): every prompt renders with them where the flag gives no other value
+RECORDED_TEMPLATE_KWARGS = {}
 
 
 def check_limits(args, limits):
@@ -937,13 +947,14 @@ def check_row_template_kwargs(where, row):
     """TRL reads a row's own "chat_template_kwargs"; here every prompt renders with the flag's
     (`CHAT_TEMPLATE_KWARGS`): a row whose own differ is one line, not a prompt rendered otherwise
     than its data says, silently. Rows that all carry the flag's are fine."""
-    if "chat_template_kwargs" not in row or row["chat_template_kwargs"] == CHAT_TEMPLATE_KWARGS:
+    rendered_with = {**RECORDED_TEMPLATE_KWARGS, **CHAT_TEMPLATE_KWARGS}
+    if "chat_template_kwargs" not in row or row["chat_template_kwargs"] == rendered_with:
         return
-    given = json.dumps(CHAT_TEMPLATE_KWARGS)
+    given = json.dumps(rendered_with)
     raise SystemExit(
         f"error: {where}: 'chat_template_kwargs' {json.dumps(row['chat_template_kwargs']):.200} "
-        f"differ from --chat_template_kwargs ({given}), which every prompt renders with; give "
-        "the row's as the flag (one setting for the whole run)"
+        f"differ from --chat_template_kwargs ({given}, with the template's recorded defaults), "
+        "which every prompt renders with; give the row's as the flag (one setting for the run)"
     )
 
 
@@ -1672,7 +1683,7 @@ def _load_model_and_tokenizer(path, cls, attn_implementation, new_head, flag, kw
     check_num_labels(path, config, kwargs.get("num_labels"), flag)
     model, info = load_weights(path, classifier_class(config, cls), kwargs, flag)
     model.fresh_head = check_all_loaded(path, info["missing_keys"], new_head, flag)
-    check_all_used(path, info["unexpected_keys"], new_head, flag)
+    check_all_used(path, info["unexpected_keys"], model, flag)
     check_generation_config(path, model, flag)
     check_special_tokens_known(tok, path, flag)
     check_finite_weights(model, info["missing_keys"], path, flag)
@@ -1775,18 +1786,23 @@ def check_chat_template(tok, path, flag):
             f"({checkpoint.describe(e)})"
         )
     if CHAT_TEMPLATE_KWARGS and flag == "--model":
-        # against the template as its author wrote it: a variable an earlier stage recorded
-        # as its default (`record_template_kwargs`) is one it reads
-        template = None
+        # against the template as it is and as its author wrote it: a variable an earlier stage
+        # recorded as a default (`record_template_kwargs`) is one it reads, and the flag's
+        # value of it may change what the recorded one renders
+        bodies = [None]
         if isinstance(tok.chat_template, str):
-            _, template = template_defaults(tok.chat_template)
-        try:
-            plain = tok.apply_chat_template(
-                user, chat_template=template, add_generation_prompt=True, tokenize=False
-            )
-        except Exception:  # a template that needs them: they change what it renders
-            plain = None
-        if text == plain:
+            bodies.append(template_defaults(tok.chat_template)[1])
+        plain = set()
+        for body in bodies:
+            try:
+                plain.add(
+                    tok.apply_chat_template(
+                        user, chat_template=body, add_generation_prompt=True, tokenize=False
+                    )
+                )
+            except Exception:  # a template that needs them: they change what it renders
+                plain.add(None)
+        if plain == {text}:
             print0_once(
                 f"note: --chat_template_kwargs {given} change nothing in how {path}'s chat "
                 "template renders a user turn (a variable it does not read, or its default)"
@@ -1799,13 +1815,15 @@ def check_chat_template(tok, path, flag):
 # them next (the next stage without the flag, vLLM, transformers), while a variable given
 # explicitly still wins. The opening comment holds them as JSON, for the next run to read.
 DEFAULTS_OPEN = "{# plainrlhf --chat_template_kwargs "
-DEFAULTS_CLOSE = "{# plainrlhf: end of the defaults #}"
+DEFAULTS_CLOSE = "{# plainrlhf: end of the defaults #}\n"  # (the line break: see below)
 
 
 def record_template_kwargs(tok, path):
     """The tokenizer a stage trains and saves (--model's, at `path`) with the run's template
-    variables as its template's defaults, over those an earlier stage recorded there; a note
-    when the recorded ones apply without the flag giving them. Named templates (a dict) each."""
+    variables as its template's defaults, over those an earlier stage recorded there (kept in
+    RECORDED_TEMPLATE_KWARGS for the data's rows to be checked against); a note when recorded
+    ones apply and no flag was given. Named templates (a dict) each."""
+    RECORDED_TEMPLATE_KWARGS.clear()
     if not tok.chat_template:
         return
     named = isinstance(tok.chat_template, dict)
@@ -1813,6 +1831,7 @@ def record_template_kwargs(tok, path):
     if named:
         templates = dict(tok.chat_template)
     recorded, _ = template_defaults(next(iter(templates.values())))
+    RECORDED_TEMPLATE_KWARGS.update(recorded)
     if recorded and not CHAT_TEMPLATE_KWARGS:
         print0(
             f"note: {path}'s chat template renders with {json.dumps(recorded)} unless told "
@@ -1854,21 +1873,26 @@ def with_template_defaults(tok, body, variables, path):
         for name, value in sorted(variables.items())
         if name.isidentifier()  # (another key no template can read as a variable)
     ]
+    # DEFAULTS_CLOSE's line break is removed by trim_blocks (transformers compiles templates with
+    # it and lstrip_blocks): the body starts on a line of its own, as it did, leading line break
+    # and indentation alike
     template = DEFAULTS_OPEN + record + " #}" + "".join(sets) + DEFAULTS_CLOSE + body
     user = [{"role": "user", "content": "1+1="}]
-    why = "it renders a user turn otherwise than the variables given"
     try:
         want = tok.apply_chat_template(
             user, chat_template=body, add_generation_prompt=True, tokenize=False, **variables
         )
+    except Exception:  # a named template that needs more than a user turn (tools): unchecked
+        return template
+    why = "it renders a user turn otherwise than the variables given"
+    try:
         got = tok.apply_chat_template(
             user, chat_template=template, add_generation_prompt=True, tokenize=False
         )
     except Exception as e:  # jinja's TemplateSyntaxError: `{% set none = ... %}`
-        want = None
         got = None
         why = checkpoint.describe(e)
-    if got != want or want is None:
+    if got != want:
         raise SystemExit(
             f"error: --chat_template_kwargs {json.dumps(CHAT_TEMPLATE_KWARGS)}: cannot be "
             f"written into {path}'s chat template as its defaults ({why}); rename the variable"
@@ -2043,15 +2067,15 @@ def check_all_loaded(path, missing, new_head, flag="--model"):
     return any(k.startswith(CLASSIFIER_HEADS) for k in missing)
 
 
-# A causal LM's own heads, which a classifier built from its folder (new_head) leaves unused
-CAUSAL_HEADS = ("lm_head.", "embed_out.")
-
-
-def check_all_used(path, unexpected, new_head, flag="--model"):
-    """One line if the folder holds weights the model leaves unused (transformers drops them with
-    a log line the quiet console hides): a config.json saying 2 layers over a 4-layer folder's
-    weights trained a 2-layer model, silently. With new_head, the causal LM head may go unused."""
-    unused = [k for k in unexpected if not (new_head and k.startswith(CAUSAL_HEADS))]
+def check_all_used(path, unexpected, model, flag="--model"):
+    """One line if the folder holds weights of the model's own kind that the model leaves unused
+    (transformers drops them with a log line the quiet console hides): a config.json saying 2
+    layers over a 4-layer folder's weights trained a 2-layer model, silently. "Its own kind":
+    named as one of its parameters is, but for the layer numbers. Other unused weights are
+    expected: a vision tower beside the language model that trains (Llama 3.2 Vision's
+    `vision_model.*` under `MllamaForCausalLM`), a causal LM's head under a classifier."""
+    own = {re.sub(r"\.\d+\.", ".#.", name) for name, _ in model.named_parameters()}
+    unused = [k for k in unexpected if re.sub(r"\.\d+\.", ".#.", k) in own]
     if unused:
         shown = ", ".join(sorted(unused)[:3])
         raise SystemExit(
@@ -2433,7 +2457,8 @@ def first_to_say(line):
     key = hashlib.sha256(f"{socket.gethostname()}\0{line}".encode()).hexdigest()
     try:
         # a store that no longer answers (the host of torchrun's store gone) must not hold up
-        # the exit: the process is ending, so the group's own use of the store is over
+        # the exit. The timeout is the client's, which the process group shares: this runs
+        # only on the way out (`run`'s error path), where the group's use of it is over
         store.set_timeout(datetime.timedelta(seconds=10))
         return store.add(f"said/{key}", 1) == 1
     except (RuntimeError, dist.DistError):  # no answer: the line twice rather than never
@@ -2541,6 +2566,7 @@ def run(main, cls, limits):
         CHAT_TEMPLATE_KWARGS.clear()
         CHAT_TEMPLATE_KWARGS.update(parse_chat_template_kwargs(args.chat_template_kwargs))
         MADE_FOLDERS.clear()  # (a process that runs twice: a test) none of an earlier run's
+        SAID_ONCE.clear()
         main(args)
         release_collectives()
         return

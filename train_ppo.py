@@ -736,10 +736,12 @@ def check_task_prompts(spec, flag, rows):
         try:
             task.sum_operands(row["prompt"])
         except ValueError:
+            instead = f"a {flag} of your own (module:function)"
+            if flag == "--reward_fn":
+                instead += " or a --reward_model"
             raise SystemExit(
                 f"error: {where}: {flag} task:reward_fn, the embedded task's rule, scores 'a+b=' "
-                f"prompts, not {row['prompt']!r:.60}; give a --reward_fn of your own "
-                "(module:function) or a --reward_model"
+                f"prompts, not {row['prompt']!r:.60}; give {instead}"
             )
 
 
@@ -1651,8 +1653,8 @@ def main(args):
             common.print0(eval_line(step, metrics))
         metrics_log.log(metrics, step)
         if rank == 0 and "eval/accuracy" in metrics:
-            scores = sample_scores(raw_scores, gold, rule_parts)
-            write_samples(common.local_dir(args), step, prompts, scores, gen, tok, n)
+            named_scores = sample_scores(raw_scores, gold, rule_parts)
+            write_samples(common.local_dir(args), step, prompts, named_scores, gen, tok, n)
         pbar.update(1)
         score_text = f"{metrics['objective/score']:.3f}"
         postfix = {"score": score_text}

@@ -214,6 +214,7 @@ def test_resume_keeps_the_chat_template_kwargs(tmp_path):
         ("{enable_thinking: false}", "--chat_template_kwargs {enable_thinking: false}: not valid"),
         ('["enable_thinking"]', "expected a JSON object of the template's variables"),
         ('{"tokenize": true}', "'tokenize' is an argument of apply_chat_template itself"),
+        ('{"t": NaN}', "not valid JSON (NaN is no JSON value)"),
     ],
 )
 def test_bad_chat_template_kwargs(tmp_path, given, needle):

@@ -894,7 +894,7 @@ MOMENTS = "model.optim.state.model.norm.weight"
             "model.model.lm_head.weight: expec",
         ),
         ("export", set_weight("model.norm.weight", lambda w: w.long()), f"{NORM}: torch.int64 in"),
-        ("export", set_weight("model.norm.weight", lambda w: w / 0), f"{NORM}: not finite"),
+        ("export", set_weight("model.norm.weight", lambda w: w / 0), f"{NORM}: infinite"),
         ("export", drop_weight, "model.model.lm_head.weight: missing"),
         ("resume", set_moment("exp_avg_sq", lambda m: -m - 1), f"{MOMENTS}.exp_avg_sq: below 0"),
         ("resume", set_moment("step", lambda m: "1"), f"{MOMENTS}.step: expected a tensor"),

@@ -1374,6 +1374,12 @@ def test_the_template_variables_travel_with_the_tokenizer(tmp_path, monkeypatch,
     common.record_template_kwargs(export, "sft/hf")
     assert export.chat_template == saved
     assert capsys.readouterr().out.startswith("note: sft/hf's chat template renders with {")
+    # a data row carrying the recorded variables agrees with how its prompt renders
+    common.check_row_template_kwargs("d.jsonl:1", {"chat_template_kwargs": flag})
+    # the flag overriding a recorded value changes what renders: no note says otherwise
+    monkeypatch.setattr(common, "CHAT_TEMPLATE_KWARGS", {"enable_thinking": True})
+    common.check_chat_template(export, "sft/hf", "--model")
+    assert capsys.readouterr().out == ""
     # with the flag repeated no note says it changes nothing; a new variable joins the old ones
     monkeypatch.setattr(common, "CHAT_TEMPLATE_KWARGS", {"enable_thinking": False, "extra": 2})
     common.check_chat_template(export, "sft/hf", "--model")
@@ -1381,10 +1387,14 @@ def test_the_template_variables_travel_with_the_tokenizer(tmp_path, monkeypatch,
     assert capsys.readouterr().out == ""
     assert export.chat_template.count(common.DEFAULTS_OPEN) == 1
     assert common.template_defaults(export.chat_template)[0] == {**flag, "extra": 2}
-    # named templates each; a name Jinja cannot set is refused in one line
-    tok.chat_template = {"default": THINKING_TEMPLATE, "tool_use": THINKING_TEMPLATE}
+    # named templates each (one that fails on a bare user turn, unchecked); a template that
+    # starts with a line break and indentation renders as it did; a name Jinja cannot set is
+    # refused in one line
+    tools = "{%- if not tools %}{{ raise_exception('tools needed') }}{% endif %}"
+    indented = "\n  " + THINKING_TEMPLATE.replace("{%- for", "{% for", 1)
+    tok.chat_template = {"default": indented, "tool_use": tools}
     common.record_template_kwargs(tok, "m")
-    assert render(tok) == "user: 1+1= assistant: <think></think>"
+    assert render(tok) == "\nuser: 1+1= assistant: <think></think>"
     recorded = common.template_defaults(tok.chat_template["tool_use"])[0]
     assert recorded == {"enable_thinking": False, "extra": 2}
     monkeypatch.setattr(common, "CHAT_TEMPLATE_KWARGS", {"none": 1})
