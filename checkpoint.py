@@ -295,7 +295,9 @@ class _SafePlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:  # its text: a page of advice, in terminal colours
-            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+            # "Unsupported global: GLOBAL builtins.object was not ...", "Trying to load
+            # unsupported GLOBAL posix.system whose module posix is blocked."
+            found = re.search(r"[Uu]nsupported (?:global: )?GLOBAL (\S+)", str(e))
             what = "torch's weights-only loader refuses it"
             if found:
                 what = f"the global {found.group(1)}: torch's weights-only loader refuses it"

@@ -715,10 +715,11 @@ def load_data(args, tok, context, reward_tok):
     held_out_rows = held_out_rows[: args.eval_samples]
     for spec, flag in rules_in_use(args):
         check_rule_fields(spec, flag, train_rows + held_out_rows)
-        check_task_prompts(spec, flag, train_rows + held_out_rows)
     new = args.max_new_tokens
     train = load_prompts(train_rows, tok, new, context, reward_tok)
     held_out = load_prompts(held_out_rows, tok, new, context, reward_tok)
+    for spec, flag in rules_in_use(args):  # (after the prompts' own checks: their length)
+        check_task_prompts(spec, flag, train_rows + held_out_rows)
     if len(train) < args.rollout_batch_size:
         raise SystemExit(
             f"error: {args.data or 'embedded task'}: {len(train)} prompts, fewer than "
