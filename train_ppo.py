@@ -649,21 +649,28 @@ def reward_normalisation(config, where):
     mean = getattr(config, "reward_mean", None)
     std = getattr(config, "reward_std", None)
     if mean is None and std is None:
-        common.print0(f"{where}: config.json has no reward_mean/reward_std; using the raw score")
+        common.print0(
+            f"note: --reward_model {where}: config.json has no reward_mean/reward_std; using the "
+            "raw score"
+        )
         return None
     for name, value in (("reward_mean", mean), ("reward_std", std)):
         if common.finite_number(value) is None:
             raise SystemExit(
-                f"error: {where}/config.json: {name} must be a number finite in float32, got "
-                f"{value!r:.200}"
+                f"error: --reward_model {where}: config.json: {name} must be a number finite in "
+                f"float32, got {value!r:.200}"
             )
     mean = common.finite_number(mean)
     std = common.finite_number(std)
     if std < 0:
-        raise SystemExit(f"error: {where}/config.json: reward_std must be >= 0, got {std!r}")
+        raise SystemExit(
+            f"error: --reward_model {where}: config.json: reward_std must be >= 0, got {std!r}"
+        )
     if std == 0:
         # every reference response scored alike: there is no scale to divide by
-        common.print0(f"{where}: config.json has reward_std 0; using the raw score")
+        common.print0(
+            f"note: --reward_model {where}: config.json has reward_std 0; using the raw score"
+        )
         return None
     return (mean, std)
 

@@ -203,5 +203,5 @@ def test_reward_normalisation_is_read_checked_from_the_config(capsys):
         ({"reward_mean": 0.0, "reward_std": -1.0}, "reward_std must be >= 0, got -1.0"),
     ]
     for fields, message in bad:
-        with pytest.raises(SystemExit, match=f"^error: rm/config.json: {message}"):
+        with pytest.raises(SystemExit, match=f"^error: --reward_model rm: config.json: {message}"):
             norm(**fields)
