@@ -1913,7 +1913,7 @@ def jinja_literal(value):
         return "[" + ", ".join(jinja_literal(v) for v in value) + "]"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{ascii(k)}: {jinja_literal(v)}" for k, v in value.items()) + "}"
-    return repr(value)  # a number (NaN and infinities: no Jinja name, refused by the check)
+    return repr(value)  # a number (finite: NaN and Infinity are refused with the flag)
 
 
 def check_generation_config(path, model, flag):
