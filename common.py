@@ -2565,6 +2565,7 @@ def run(main, cls, limits):
         quiet_console(args.verbose)
         CHAT_TEMPLATE_KWARGS.clear()
         CHAT_TEMPLATE_KWARGS.update(parse_chat_template_kwargs(args.chat_template_kwargs))
+        RECORDED_TEMPLATE_KWARGS.clear()  # (until --model's tokenizer loads)
         MADE_FOLDERS.clear()  # (a process that runs twice: a test) none of an earlier run's
         SAID_ONCE.clear()
         main(args)

@@ -1360,6 +1360,7 @@ def test_the_template_variables_travel_with_the_tokenizer(tmp_path, monkeypatch,
 
     awkward = "a'b\"#}\u00e9\n{{ x }}"  # quotes, a comment's end, non-ASCII, a line, Jinja
     flag = {"enable_thinking": False, "note": awkward, "n": [1, None, {"k": True}]}
+    monkeypatch.setattr(common, "RECORDED_TEMPLATE_KWARGS", {})  # (this process's other tests)
     monkeypatch.setattr(common, "CHAT_TEMPLATE_KWARGS", dict(flag))
     common.record_template_kwargs(tok, "sft")
     assert render(tok) == "user: 1+1= assistant: <think></think>"
