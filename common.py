@@ -1759,6 +1759,16 @@ def load_weights(path, model_class, kwargs, flag):
         raise SystemExit(load_error(path, e, flag))
 
 
+def render_user_turn(tok, chat_template=None, **variables):
+    """The text `tok`'s chat template (or `chat_template`, a template's text) makes of one user
+    turn and the generation prompt, with the template's `variables`: what the checks of a
+    template at load compare."""
+    user = [{"role": "user", "content": "1+1="}]
+    return tok.apply_chat_template(
+        user, chat_template=chat_template, add_generation_prompt=True, tokenize=False, **variables
+    )
+
+
 def check_chat_template(tok, path, flag):
     """A chat template must render what plainrlhf gives it, a user turn with the generation
     prompt: one that raises (a `raise_exception` call, bad Jinja syntax, a number where the
@@ -1775,11 +1785,8 @@ def check_chat_template(tok, path, flag):
         )
     if not tok.chat_template:
         return
-    user = [{"role": "user", "content": "1+1="}]
     try:
-        text = tok.apply_chat_template(
-            user, add_generation_prompt=True, tokenize=False, **CHAT_TEMPLATE_KWARGS
-        )
+        text = render_user_turn(tok, **CHAT_TEMPLATE_KWARGS)
     except Exception as e:
         raise SystemExit(
             f"error: {flag} {path}: its chat template fails on a user turn "
@@ -1795,11 +1802,7 @@ def check_chat_template(tok, path, flag):
         plain = set()
         for body in bodies:
             try:
-                plain.add(
-                    tok.apply_chat_template(
-                        user, chat_template=body, add_generation_prompt=True, tokenize=False
-                    )
-                )
+                plain.add(render_user_turn(tok, body))
             except Exception:  # a template that needs them: they change what it renders
                 plain.add(None)
         if plain == {text}:
@@ -1877,18 +1880,13 @@ def with_template_defaults(tok, body, variables, path):
     # it and lstrip_blocks): the body starts on a line of its own, as it did, leading line break
     # and indentation alike
     template = DEFAULTS_OPEN + record + " #}" + "".join(sets) + DEFAULTS_CLOSE + body
-    user = [{"role": "user", "content": "1+1="}]
     try:
-        want = tok.apply_chat_template(
-            user, chat_template=body, add_generation_prompt=True, tokenize=False, **variables
-        )
+        want = render_user_turn(tok, body, **variables)
     except Exception:  # a named template that needs more than a user turn (tools): unchecked
         return template
     why = "it renders a user turn otherwise than the variables given"
     try:
-        got = tok.apply_chat_template(
-            user, chat_template=template, add_generation_prompt=True, tokenize=False
-        )
+        got = render_user_turn(tok, template)
     except Exception as e:  # jinja's TemplateSyntaxError: `{% set none = ... %}`
         got = None
         why = checkpoint.describe(e)
