@@ -1587,8 +1587,12 @@ def load_error(path, e, flag="--model"):
             f"error: {flag} {path}: a checkpoint, not a model folder; export it first "
             f"(python checkpoint.py export {path} OUT) and give OUT"
         )
-    lines = str(e).splitlines() or [""]
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [""]
     detail = lines[0]
+    if detail.endswith(":") and len(lines) > 1:
+        # transformers' config validation says the field on one line and what is wrong with it
+        # on the next ("Validation error for field 'rms_norm_eps':" / "TypeError: ... got str")
+        detail = f"{detail} {lines[1]}"
     if not isinstance(e, (OSError, ValueError)):  # a crafted file's TypeError, KeyError, ...
         detail = f"{type(e).__name__}: {detail}"
     return f"error: {flag} {path}: cannot load ({detail})"
@@ -1677,6 +1681,7 @@ def _load_model_and_tokenizer(path, cls, attn_implementation, new_head, flag, kw
     except Exception as e:
         raise SystemExit(load_error(path, e, flag))
     check_chat_template(tok, path, flag)
+    check_config_values(config.to_dict(), path, flag)
     attention = attention_implementation(path, attn_implementation, flag)
     if attention is not None:
         kwargs["attn_implementation"] = attention
@@ -1705,6 +1710,37 @@ def _load_model_and_tokenizer(path, cls, attn_implementation, new_head, flag, kw
             f"{rows} rows; call model.resize_token_embeddings(len(tokenizer)) and save the model"
         )
     return (model, tok), digest
+
+
+# The names config.json gives a RoPE base under (GPT-NeoX's, Gemma 3's local one, the rest's)
+ROPE_BASES = ("rope_theta", "rotary_emb_base", "rope_local_base_freq")
+
+
+def check_config_values(config, path, flag, prefix=""):
+    """The config.json numbers transformers takes as they are and the model trips over later: a
+    dropout probability outside [0, 1] (`attention_dropout: 5.0` was a traceback at the first
+    forward), a RoPE base that is not positive (`rope_theta: -1` made NaN angles, blamed on --lr at
+    the first step), a negative normalisation epsilon. Walks nested configs (a VLM's text_config,
+    per-layer-type rope_parameters); the types are transformers' to check (its strict fields)."""
+    for raw_key, value in config.items():
+        key = str(raw_key)  # id2label's keys are numbers
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            check_config_values(value, path, flag, prefix=f"{name}.")
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            continue
+        expected = None
+        if ("dropout" in key or key.endswith("pdrop")) and not 0 <= value <= 1:
+            expected = "a probability in [0, 1]"
+        elif key in ROPE_BASES and not 0 < value < math.inf:
+            expected = "a positive number"
+        elif (key == "eps" or key.endswith(("_eps", "epsilon"))) and not 0 <= value < math.inf:
+            expected = "a number >= 0"
+        if expected is not None:
+            raise SystemExit(
+                f"error: {flag} {path}: config.json: {name} {value!r}, expected {expected}"
+            )
 
 
 def check_finite_weights(model, missing, path, flag):

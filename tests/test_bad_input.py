@@ -743,7 +743,24 @@ def an_unused_weight(tensors):
 @pytest.mark.parametrize(
     "damage,needle",
     [
-        (edit_json("config.json", {"hidden_size": "abc"}), "cannot load (StrictDataclass"),
+        (
+            # transformers says the field on one line and what is wrong on the next: both
+            edit_json("config.json", {"hidden_size": "abc"}),
+            "cannot load (StrictDataclassFieldValidationError: Validation error for field "
+            "'hidden_size': TypeError: Field 'hidden_size' expected int, got str",
+        ),
+        (
+            edit_json("config.json", {"attention_dropout": 5.0}),
+            "config.json: attention_dropout 5.0, expected a probability in [0, 1]",
+        ),
+        (
+            edit_json("config.json", {"rope_parameters": {"rope_theta": -1.0}}),
+            "config.json: rope_parameters.rope_theta -1.0, expected a positive number",
+        ),
+        (
+            edit_json("config.json", {"rms_norm_eps": -1e-6}),
+            "config.json: rms_norm_eps -1e-06, expected a number >= 0",
+        ),
         (edit_weights(a_nan_weight), "weight model.norm.weight holds NaN or inf"),
         (
             edit_weights(an_unused_weight),
@@ -794,6 +811,9 @@ def an_unused_weight(tensors):
     ],
     ids=[
         "config-field-type",
+        "dropout-not-a-probability",
+        "rope-theta-negative",
+        "eps-negative",
         "a-nan-weight",
         "an-unused-weight",
         "model-max-length-text",
