@@ -1586,10 +1586,29 @@ def _candidates(root, resume):
             return [], f"{root} holds an earlier run's checkpoints: {hint}"
         return [], None
     # `latest` first, then older ones; newer ones than `latest` are an abandoned branch
+    _note_unusable_latest(root, names, top)
     candidates = names
     if top in names:
         candidates = [top] + [n for n in names if _step_of(n) < _step_of(top)]
     return [os.path.join(root, name) for name in candidates], None
+
+
+def _note_unusable_latest(root, names, top):
+    """Rank 0, --resume latest: a note when root/latest is there and names no checkpoint of root
+    (a step deleted by hand, a file overwritten): the resume then tries the newest by name, which
+    may be an abandoned branch's, so the user should know it is not what `latest` said."""
+    if not names or top in names:
+        return
+    where = os.path.join(root, "latest")
+    if top is not None:
+        print(f"note: {where} names {top}, which is not there; trying the newest, {names[0]}")
+        return
+    if objstore.is_url(root):
+        there = _store_call(objstore.is_object, where)
+    else:
+        there = os.path.lexists(where)
+    if there:
+        print(f"note: {where} names no checkpoint; trying the newest, {names[0]}")
 
 
 def _started_from(path, resume):

@@ -329,6 +329,33 @@ def test_step_names_in_other_digits_are_not_checkpoints(tmp_path):
     assert checkpoint._step_dirs(str(root)) == (["step-00000001"], None)
 
 
+@pytest.mark.parametrize(
+    "text,note",
+    [
+        ("step-00000009\n", "names step-00000009, which is not there"),
+        ("\x00\xff junk", "names no checkpoint"),
+        (None, None),  # no `latest` at all (a run killed before its first save's end): no note
+        ("step-00000002\n", None),
+    ],
+    ids=["a-missing-step", "junk", "none", "a-step-there"],
+)
+def test_a_latest_naming_no_checkpoint_is_noted(tmp_path, capsys, text, note):
+    """`--resume latest` with a `latest` that names no checkpoint here tries the newest by name,
+    as it did silently: now with a note, as the newest may be an abandoned branch's."""
+    root = tmp_path / "checkpoints"
+    write_small_checkpoint(root / "step-00000001", step=1)
+    write_small_checkpoint(root / "step-00000002", step=2)
+    if text is not None:
+        (root / "latest").write_text(text, encoding="latin-1")
+    paths, error = checkpoint._candidates(str(root), "latest")
+    assert error is None and paths[0] == str(root / "step-00000002")
+    out = capsys.readouterr().out
+    if note is None:
+        assert out == ""
+    else:
+        assert out.startswith(f"note: {root / 'latest'} {note}; trying the newest, step-00000002")
+
+
 # ---- the run lock on a store (objstore.py), on fsspec's in-memory store ------------------------
 @pytest.mark.parametrize(
     "body",
