@@ -2461,6 +2461,14 @@ def progress_bar(total, start, desc):
     return tqdm(total=total, initial=start, disable=rank != 0, desc=desc)
 
 
+def close_progress_bar(pbar):
+    """Rank 0's bar closed (tqdm ends its line) and its node told so: an error of another rank
+    after it (in `finish`'s export) needs no line break of its own, which was a blank line."""
+    pbar.close()
+    if dist.get_rank() == 0 and "store" in CONSOLE:
+        CONSOLE["store"].delete_key(f"bar/{socket.gethostname()}")
+
+
 def print_error(line):
     """An error line on stderr, whole and on a line of its own: rank 0's progress bar is cleared
     first (tqdm.write), and another rank starts a new line where rank 0's bar may be on it. One

@@ -382,7 +382,7 @@ def main(args):
             final = saved
         if stop:
             break
-    pbar.close()
+    common.close_progress_bar(pbar)
 
     common.finish(args, step, final)  # the export for PPO, vLLM and transformers; a summary
     dist.barrier()  # nobody tears the group down while rank 0 is still writing

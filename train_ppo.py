@@ -1685,7 +1685,7 @@ def main(args):
             final = saved
         if stop:
             break
-    pbar.close()
+    common.close_progress_bar(pbar)
 
     common.finish(args, step, final, "actor")  # the final actor as an HF folder; a summary
     # Every rank is done before the engine shuts down: vLLM's shutdown ends the process group.

@@ -404,7 +404,7 @@ def main(args):
             final = saved
         if stop:
             break
-    pbar.close()
+    common.close_progress_bar(pbar)
 
     common.finish(args, step, final, "reward_model")  # the export for PPO and transformers
     dist.barrier()  # nobody tears the group down while rank 0 is still writing

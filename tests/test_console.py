@@ -66,17 +66,20 @@ def test_an_error_both_ranks_meet_is_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("mode,lines", [("alike", 1), ("own", 2), ("bar", 1)])
+@pytest.mark.parametrize("mode,lines", [("alike", 1), ("own", 2), ("bar", 1), ("closed", 1)])
 def test_a_node_prints_each_error_line_once(mode, lines):
     """`common.print_error` under 2 ranks: a line the two ranks meet alike once, the ranks' own
     lines each; rank 1's line starts a line of its own after rank 0's bar, and adds no blank
-    line where there is no bar (`common.bar_break`)."""
+    line where there is no bar, or the bar has closed (`common.bar_break`)."""
     p = run("tests/console_check.py", mode, check=False)
     assert p.returncode == 0, p.stderr[-2000:]
     errors = [line for line in p.stderr.split("\n") if line.startswith("error:")]
     assert len(errors) == lines and len(set(errors)) == lines, p.stderr
     if mode == "bar":
         assert "0/10 [00:00<?, ?it/s]\nerror: every rank's alike\n" in p.stderr, p.stderr
+    elif mode == "closed":  # the bar ended its own line: no blank one (text mode: \r is \n)
+        assert "0/10 [00:00<?, ?it/s]\nerror: every rank's alike\n" in p.stderr, p.stderr
+        assert "\n\nerror:" not in p.stderr, p.stderr
     else:
         assert not p.stderr.startswith("\n") and "\n\n" not in p.stderr, p.stderr
 
