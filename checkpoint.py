@@ -1673,6 +1673,19 @@ def _choose(paths, resume):
 NEWER_FLAGS = {"chat_template_kwargs": "", "reward_weights": ""}
 
 
+def _comma_list(value):
+    """A comma-separated flag as train_ppo.py writes it since the thirty-fourth session: no
+    spaces around its entries. Checkpoints before kept the user's spelling ("a:f, b:g"), which a
+    resume compared with the new spelling and refused whatever the command line said."""
+    if not isinstance(value, str):
+        return value
+    return ",".join(part.strip() for part in value.split(","))
+
+
+# Flags whose saved spelling has changed, and how to read a checkpoint's in today's
+OLDER_SPELLINGS = {"reward_fn": _comma_list, "reward_weights": _comma_list}
+
+
 def _same_settings(path, saved_args, args, must_match):
     """The flags in `must_match` as the checkpoint's run had them (its meta.json's args), or one
     line listing each that differs."""
@@ -1680,6 +1693,8 @@ def _same_settings(path, saved_args, args, must_match):
     for k in must_match:
         # a flag newer than the checkpoint: it was written with the flag's default
         saved = saved_args.get(k, NEWER_FLAGS.get(k))
+        if k in OLDER_SPELLINGS:
+            saved = OLDER_SPELLINGS[k](saved)
         if saved != args[k]:
             diff.append(f"--{k} {saved!r} -> {args[k]!r}")
     if diff:

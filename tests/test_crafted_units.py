@@ -972,3 +972,17 @@ def test_an_export_of_a_generation_config_transformers_will_not_save_is_one_line
     line = f"error: {ckpt}/hf: generation_config.json: transformers would refuse to save it ("
     assert p.returncode == 1 and p.stderr.startswith(line), p.stderr[-2000:]
     assert p.stderr.count("\n") == 1 and not (tmp_path / "hf").exists()
+
+
+def test_a_checkpoint_with_the_older_spelling_of_a_list_flag_resumes():
+    """train_ppo.py writes --reward_fn and --reward_weights without spaces around entries since
+    the thirty-fourth session; a checkpoint from before kept "a:f, b:g", which no command line
+    could match: it is read in today's spelling (`checkpoint.OLDER_SPELLINGS`). Another list
+    is still another run."""
+    saved = {"reward_fn": "task:reward_fn, rules:length", "reward_weights": "1.0, 0.5"}
+    args = {"reward_fn": "task:reward_fn,rules:length", "reward_weights": "1.0,0.5"}
+    checkpoint._same_settings("ckpt", saved, args, ["reward_fn", "reward_weights"])
+    args["reward_weights"] = "1.0,0.25"
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint._same_settings("ckpt", saved, args, ["reward_fn", "reward_weights"])
+    assert str(e.value).endswith("differing settings: --reward_weights '1.0,0.5' -> '1.0,0.25'")
