@@ -1813,6 +1813,9 @@ def check_chat_template(tok, path, flag):
     EOS.) --chat_template_kwargs for a --model without a template would do nothing: refused;
     ones that change nothing in its rendering of a user turn (a misspelt variable, or one given
     its default) are noted."""
+    for name in ("chat_template.jinja", "chat_template.json"):
+        if os.path.isdir(os.path.join(path, name)):  # transformers passes over it, silently
+            raise SystemExit(f"error: {flag} {path}: {name} is a folder, expected a file")
     given = json.dumps(CHAT_TEMPLATE_KWARGS)
     if not tok.chat_template and CHAT_TEMPLATE_KWARGS and flag == "--model":
         raise SystemExit(

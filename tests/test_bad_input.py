@@ -732,6 +732,15 @@ def edit_weights(change):
     return damage
 
 
+def make_folder(name):
+    """A damage: a folder named `name` in the model folder (transformers passes over it)."""
+
+    def damage(folder):
+        (folder / name).mkdir()
+
+    return damage
+
+
 def a_nan_weight(tensors):
     tensors["model.norm.weight"][3] = float("nan")
 
@@ -780,6 +789,7 @@ def an_unused_weight(tensors):
             edit_json("tokenizer_config.json", {"chat_template": "{{ raise_exception('no') }}"}),
             "its chat template fails on a user turn (TemplateError: no)",
         ),
+        (make_folder("chat_template.jinja"), "chat_template.jinja is a folder, expected a file"),
         (
             edit_json("tokenizer_config.json", {"chat_template": "{% for %}"}),
             "its chat template fails on a user turn (TemplateSyntaxError",
@@ -823,6 +833,7 @@ def an_unused_weight(tensors):
         "tokenizer-config-a-list",
         "tokenizer-json-other",
         "template-raises",
+        "template-a-folder",
         "template-syntax",
         "eos-a-string",
         "eos-outside-the-vocabulary",
