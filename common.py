@@ -44,6 +44,7 @@ import warnings
 import zlib
 
 import numpy as np
+import safetensors
 import tokenizers
 import torch
 import torch.distributed as dist
@@ -1692,6 +1693,7 @@ def _load_model_and_tokenizer(path, cls, attn_implementation, new_head, flag, kw
     check_generation_config(path, model, flag)
     check_special_tokens_known(tok, path, flag)
     check_finite_weights(model, info["missing_keys"], path, flag)
+    check_stored_dtypes(path, config, model, flag)
     limit = tok.model_max_length  # compared with every text's length as it is encoded
     if isinstance(limit, bool) or not isinstance(limit, numbers.Real):
         raise SystemExit(
@@ -1753,6 +1755,31 @@ def check_finite_weights(model, missing, path, flag):
         for chunk in param.detach().view(-1).split(2**24):
             if not torch.isfinite(chunk).all():
                 raise SystemExit(f"error: {flag} {path}: weight {name} holds NaN or inf")
+
+
+# safetensors' names of the dtypes that hold no real numbers
+WHOLE_NUMBER_DTYPES = ("BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64")
+
+
+def check_stored_dtypes(path, config, model, flag):
+    """A weight the model holds in floating point must be stored so: one whose safetensors header
+    says I32 over a float's bytes loaded as huge whole numbers, trained on silently. Headers only
+    (nothing more is read); names as the model's own parameters (an old checkpoint's integer
+    `position_ids` buffer is no parameter); a quantized folder's packed weights are its own."""
+    if not os.path.isdir(path) or getattr(config, "quantization_config", None):
+        return
+    params = dict(model.named_parameters())
+    for name in sorted(os.listdir(path)):
+        if not name.endswith(".safetensors"):
+            continue
+        with safetensors.safe_open(os.path.join(path, name), framework="pt") as f:
+            for key in f.keys():
+                dtype = f.get_slice(key).get_dtype()
+                if key in params and dtype in WHOLE_NUMBER_DTYPES:
+                    raise SystemExit(
+                        f"error: {flag} {path}: {name}: weight {key} is stored as {dtype}, "
+                        "expected a floating-point dtype"
+                    )
 
 
 def folder_digest(tok, config, model, missing):

@@ -745,6 +745,10 @@ def a_nan_weight(tensors):
     tensors["model.norm.weight"][3] = float("nan")
 
 
+def a_weight_stored_as_int32(tensors):
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].view(torch.int32)
+
+
 def an_unused_weight(tensors):
     tensors["model.layers.9.mlp.up_proj.weight"] = torch.zeros(2, 2)
 
@@ -771,6 +775,12 @@ def an_unused_weight(tensors):
             "config.json: rms_norm_eps -1e-06, expected a number >= 0",
         ),
         (edit_weights(a_nan_weight), "weight model.norm.weight holds NaN or inf"),
+        (
+            # the header says I32 over a float's bytes: it loaded as huge whole numbers
+            edit_weights(a_weight_stored_as_int32),
+            "model.safetensors: weight model.norm.weight is stored as I32, expected a "
+            "floating-point dtype",
+        ),
         (
             edit_weights(an_unused_weight),
             "the model its config.json describes leaves weights of the folder unused: "
@@ -825,6 +835,7 @@ def an_unused_weight(tensors):
         "rope-theta-negative",
         "eps-negative",
         "a-nan-weight",
+        "a-weight-stored-as-int32",
         "an-unused-weight",
         "model-max-length-text",
         "zero-heads",
