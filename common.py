@@ -2138,14 +2138,19 @@ def check_all_used(path, unexpected, model, flag="--model"):
     named as one of its parameters is, but for the layer numbers. Other unused weights are
     expected: a vision tower beside the language model that trains (Llama 3.2 Vision's
     `vision_model.*` under `MllamaForCausalLM`), a causal LM's head under a classifier."""
-    own = {re.sub(r"\.\d+\.", ".#.", name) for name, _ in model.named_parameters()}
-    unused = [k for k in unexpected if re.sub(r"\.\d+\.", ".#.", k) in own]
+    own = {any_layer(name) for name, _ in model.named_parameters()}
+    unused = [k for k in unexpected if any_layer(k) in own]
     if unused:
         shown = ", ".join(sorted(unused)[:3])
         raise SystemExit(
             f"error: {flag} {path}: the model its config.json describes leaves weights of the "
             f"folder unused: {shown} ({len(unused)} in all); does config.json belong to them?"
         )
+
+
+def any_layer(name):
+    """A weight's name with its layer numbers as '#': model.layers.7.mlp -> model.layers.#.mlp."""
+    return re.sub(r"\.\d+\.", ".#.", name)
 
 
 def value_head(model):

@@ -1063,9 +1063,10 @@ def rule_scores(spec, rows, responses, flag="--reward_fn"):
 
 
 def rule_reward(args, rows, texts):
-    """(scores [B], {logged name: [B]}): the --reward_fn rules' weighted sum, and with several
-    rules each one's own scores, logged as objective/rule/<module.function> (what a sum hides:
-    a format reward that climbs while the answers' does not)."""
+    """(scores [B], {"rule/<module.function>": [B]}): the --reward_fn rules' weighted sum, and
+    with several rules each one's own scores, logged as objective/rule/... and eval/rule/...,
+    and written to samples.jsonl as rule/... (what a sum hides: a format reward that climbs
+    while the answers' does not)."""
     specs = rule_specs(args.reward_fn)
     weights = rule_weights(args.reward_weights, len(specs))
     terms = []
@@ -1074,7 +1075,7 @@ def rule_reward(args, rows, texts):
         scores = rule_scores(spec, rows, texts)
         terms.append(weight * scores)
         if len(specs) > 1:
-            parts[f"objective/rule/{spec.replace(':', '.')}"] = scores
+            parts[f"rule/{spec.replace(':', '.')}"] = scores
     # summed from the first term, not from zeros: one rule of weight 1 is its scores exactly
     # (a -0.0 too, which 0.0 + -0.0 would turn into 0.0)
     total = functools.reduce(torch.add, terms)
@@ -1405,7 +1406,7 @@ def evaluate(args, engine, tok, models, items, device):
     # every rank scored a share: the means are over all of them
     local = {"score": scores[:counted].sum().item(), "count": counted, "gold": gold_sum}
     # the rules' own scores, under their evaluation names ("objective/rule/..." in training)
-    rules = {name.replace("objective/", "eval/", 1): part for name, part in parts.items()}
+    rules = {f"eval/{name}": part for name, part in parts.items()}
     for name, part in rules.items():
         local[name] = part[:counted].sum().item()
     totals = common.global_sums(local, device)
@@ -1427,8 +1428,8 @@ def eval_line(step, metrics):
 
 def rollout_sums(raw_scores, gen, exp, gap, gold, rule_parts):
     """This rank's sums behind the objective/* and rollout/* metrics (global_sums adds the
-    ranks). gold: the --gold_reward_fn scores [B], or None; rule_parts: {logged name: [B]},
-    each rule's own scores where --reward_fn names several."""
+    ranks). gold: the --gold_reward_fn scores [B], or None; rule_parts: {"rule/...": [B]},
+    each rule's own scores where --reward_fn names several (logged as objective/rule/...)."""
     mask = exp.batch.response_mask
     sums = {
         "logprob_gap": gap.sum().item(),
@@ -1443,7 +1444,7 @@ def rollout_sums(raw_scores, gen, exp, gap, gold, rule_parts):
     if gold is not None:
         sums["gold_score"] = gold.sum().item()
     for name, scores in rule_parts.items():
-        sums[name] = scores.sum().item()
+        sums[f"objective/{name}"] = scores.sum().item()
     return sums
 
 
@@ -1494,8 +1495,7 @@ def sample_scores(raw_scores, gold, rule_parts):
     scores = {"score": raw_scores}
     if gold is not None:
         scores["gold_score"] = gold
-    for name, values in rule_parts.items():
-        scores[name.removeprefix("objective/")] = values
+    scores.update(rule_parts)
     return scores
 
 

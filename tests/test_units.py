@@ -563,8 +563,8 @@ def test_several_reward_rules_are_summed_with_their_weights(tmp_path, monkeypatc
     total, parts = train_ppo.rule_reward(args, rows, ["42", "2"])
     assert total.tolist() == [2 * 1 + 0.5 * 2, 2 * 0 + 0.5 * 1]
     assert {name: p.tolist() for name, p in parts.items()} == {
-        "objective/rule/reference_rules.right": [1.0, 0.0],
-        "objective/rule/reference_rules.wrapped_len": [2.0, 1.0],
+        "rule/reference_rules.right": [1.0, 0.0],
+        "rule/reference_rules.wrapped_len": [2.0, 1.0],
     }
     args = train_ppo.Args(reward_fn="reference_rules:wrapped_len")
     total, parts = train_ppo.rule_reward(args, rows, ["42", "2"])
