@@ -37,6 +37,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 import typing
@@ -1301,9 +1302,10 @@ def render_prompt(tok, prompt, where, tokenize):
         )
     messages = chat_messages(prompt)
     try:
-        return tok.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=tokenize, **CHAT_TEMPLATE_KWARGS
-        )
+        with render_time_limit():
+            return tok.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=tokenize, **CHAT_TEMPLATE_KWARGS
+            )
     except Exception as e:  # jinja's TemplateError, or what a filter raised: the template's
         raise SystemExit(
             f"error: {where}: the chat template fails on this prompt ({checkpoint.describe(e)})"
@@ -1822,14 +1824,49 @@ def load_weights(path, model_class, kwargs, flag):
         raise SystemExit(load_error(path, e, flag))
 
 
+class TemplateTimeout(Exception):
+    """A chat template still rendering after TEMPLATE_SECONDS (`render_time_limit`)."""
+
+
+# A real template renders a prompt in milliseconds; a crafted one can loop for hours
+TEMPLATE_SECONDS = 60
+
+
+@contextlib.contextmanager
+def render_time_limit():
+    """A chat template's rendering stopped by TemplateTimeout after TEMPLATE_SECONDS: nested
+    `range` loops in a crafted tokenizer_config.json hung the start, and a signal could not end
+    it (SIGTERM is kept for the first step's save: `watch_signals`). SIGALRM, main thread only
+    (where the stages render); elsewhere, no limit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TemplateTimeout(f"still rendering after {TEMPLATE_SECONDS} s: a loop without end?")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, TEMPLATE_SECONDS)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def render_user_turn(tok, chat_template=None, **variables):
     """The text `tok`'s chat template (or `chat_template`, a template's text) makes of one user
     turn and the generation prompt, with the template's `variables`: what the checks of a
     template at load compare."""
     user = [{"role": "user", "content": "1+1="}]
-    return tok.apply_chat_template(
-        user, chat_template=chat_template, add_generation_prompt=True, tokenize=False, **variables
-    )
+    with render_time_limit():
+        return tok.apply_chat_template(
+            user,
+            chat_template=chat_template,
+            add_generation_prompt=True,
+            tokenize=False,
+            **variables,
+        )
 
 
 def check_chat_template(tok, path, flag):

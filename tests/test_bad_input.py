@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 
 import pytest
@@ -1012,3 +1013,40 @@ def test_the_default_rule_on_prompts_that_are_no_sums_is_refused_at_the_start(tm
     assert_one_line_error(
         p, f"{data}:2: --reward_fn task:reward_fn, the embedded task's rule, scores 'a+b='"
     )
+
+
+# Nested loops of 10**10 steps in all: hours of rendering (Jinja's sandbox caps one range only)
+ENDLESS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+def test_a_chat_template_that_never_ends_is_one_line(tmp_path, monkeypatch):
+    """A crafted template that loops for hours hung the start, and SIGTERM could not end it (a
+    signal during setup is kept for the first step's save): its rendering is stopped after
+    `common.TEMPLATE_SECONDS` (1 s here), at load and on a row's prompt alike."""
+    from transformers import AutoModelForCausalLM
+    from transformers import AutoTokenizer
+
+    import common
+
+    monkeypatch.setattr(common, "TEMPLATE_SECONDS", 1)
+    task.ensure_tiny_model()
+    model_dir = tmp_path / "model"
+    shutil.copytree(task.TINY_MODEL, model_dir)
+    edit_json("tokenizer_config.json", {"chat_template": ENDLESS})(model_dir)
+    with pytest.raises(SystemExit) as exit_info:
+        common.load_model_and_tokenizer(str(model_dir), AutoModelForCausalLM)
+    assert exit_info.value.code == (
+        f"error: --model {model_dir}: its chat template fails on a user turn (TemplateTimeout: "
+        "still rendering after 1 s: a loop without end?)"
+    )
+    # a template that loops on one row's prompt only: named by the row
+    tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
+    tok.chat_template = "{% if messages[0].content == 'x' %}" + ENDLESS + "{% endif %}ok"
+    assert common.render_prompt(tok, "1+1=", "d.jsonl:1", tokenize=False) == "ok"
+    with pytest.raises(SystemExit) as exit_info:
+        common.render_prompt(tok, "x", "d.jsonl:2", tokenize=False)
+    assert exit_info.value.code.startswith(
+        "error: d.jsonl:2: the chat template fails on this prompt (TemplateTimeout: "
+    )
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL  # the handler before, restored
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
