@@ -1772,16 +1772,23 @@ def check_stored_dtypes(path, config, model, flag):
         return
     params = dict(model.named_parameters())
     for name in sorted(os.listdir(path)):
-        if not name.endswith(".safetensors"):
-            continue
-        with safetensors.safe_open(os.path.join(path, name), framework="pt") as f:
-            for key in f.keys():
-                dtype = f.get_slice(key).get_dtype()
+        if name.endswith(".safetensors"):
+            for key, dtype in stored_dtypes(os.path.join(path, name)).items():
                 if key in params and dtype in WHOLE_NUMBER_DTYPES:
                     raise SystemExit(
                         f"error: {flag} {path}: {name}: weight {key} is stored as {dtype}, "
                         "expected a floating-point dtype"
                     )
+
+
+def stored_dtypes(file):
+    """{tensor name: safetensors dtype name} from a file's header; {} for a file that is none
+    (the model loaded, so what it read was whole: this is another file, an adapter, a leftover)."""
+    try:
+        with safetensors.safe_open(file, framework="pt") as f:
+            return {key: f.get_slice(key).get_dtype() for key in f.keys()}
+    except (OSError, safetensors.SafetensorError):
+        return {}
 
 
 def folder_digest(tok, config, model, missing):
