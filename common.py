@@ -2404,7 +2404,8 @@ def end_of_step(args, step, device, roles, meta, hf_objs):
             args.out_dir, step, roles, meta, hf_objs, args.keep_last, background, on_error
         )
         upload_logs(args)
-    stop = signalled or step == args.stop_at_step
+    # at the last step the run ends here anyway, and exports: nothing to go on with
+    stop = (signalled or step == args.stop_at_step) and step < args.max_steps
     if stop:
         reason = "--stop_at_step"
         if signalled:

@@ -1047,12 +1047,14 @@ def rule_scores(spec, rows, responses, flag="--reward_fn"):
             raise SystemExit(
                 f"error: {flag} {spec} raised {e!r} on prompt {prompt!r}, response {response!r}"
             )
+        if isinstance(s, (np.ndarray, torch.Tensor)) and s.ndim == 0:
+            s = s.item()  # one number, as a rule computed with torch or numpy returns it
         if isinstance(s, (bool, np.bool_)):  # `response == answer`: 0/1, as TRL takes it too
             s = float(s)
         value = common.finite_number(s)
         if value is None:
             several = ""
-            if isinstance(s, (list, tuple, np.ndarray, torch.Tensor)):
+            if isinstance(s, (list, tuple, np.ndarray, torch.Tensor)):  # not 0-d: several
                 several = " (one score: a rule scores one response per call)"
             raise SystemExit(
                 f"error: {flag} {spec} returned {s!r:.200} for prompt {prompt!r}; expected a "
@@ -1656,11 +1658,12 @@ def main(args):
             kl_coef = update_kl_coef(kl_coef, metrics["objective/kl"], args.target_kl, n_responses)
         # rank 0's responses, to check that a resumed run samples the same tokens
         metrics["rollout/responses_sha"] = hash_responses(gen.response_ids)
-        if held_out and common.eval_due(args, step):
+        eval_due = common.eval_due(args, step)
+        if held_out and eval_due:
             metrics.update(evaluate(args, engine, tok, models, held_out, device))
             common.print0(eval_line(step, metrics))
         metrics_log.log(metrics, step)
-        if rank == 0 and "eval/accuracy" in metrics:
+        if rank == 0 and eval_due:  # with a held-out set or without one (a user's --data alone)
             named_scores = sample_scores(raw_scores, gold, rule_parts)
             write_samples(common.local_dir(args), step, prompts, named_scores, gen, tok, n)
         pbar.update(1)

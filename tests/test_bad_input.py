@@ -266,6 +266,13 @@ USER_MODULES = {
     "overflows.py": "def f(prompt, response):\n    return 1e39\n",
     "broken.py": "def f(prompt, response)\n    return 1.0\n",
     "numpy_scores.py": "import numpy\ndef f(prompt, response):\n    return numpy.float32(0.5)\n",
+    "zero_d.py": (
+        "import numpy, torch\n"
+        "def tensor(prompt, response):\n    return torch.tensor(0.25)\n"
+        "def array(prompt, response):\n    return numpy.array(0.75)\n"
+        "def several(prompt, response):\n    return torch.tensor([0.5])\n"
+        "def nan(prompt, response):\n    return torch.tensor(float('nan'))\n"
+    ),
 }
 
 
@@ -276,11 +283,14 @@ USER_MODULES = {
         ("huge:f", "returned 1000"),  # float()'s OverflowError, a traceback
         ("overflows:f", "returned 1e+39 for prompt"),  # inf in float32: blamed on --lr
         ("broken:f", "expected module:function importable"),  # a SyntaxError's traceback
+        ("zero_d:several", "(one score: a rule scores one response per call)"),
+        ("zero_d:nan", "returned nan for prompt '1+1='; expected a number finite in float32"),
     ],
 )
 def test_a_reward_function_that_misbehaves_is_one_line(tmp_path, monkeypatch, spec, needle):
     """In process: train_ppo.rule_scores on a user's module that exits, returns an int too large
-    for a float or a float too large for float32, or does not parse. A NumPy scalar is a number."""
+    for a float or a float too large for float32, or does not parse. A NumPy scalar is a number,
+    and so is a 0-d tensor or array (a rule computed with torch: it was refused as several)."""
     import train_ppo
 
     for name, text in USER_MODULES.items():
@@ -291,6 +301,8 @@ def test_a_reward_function_that_misbehaves_is_one_line(tmp_path, monkeypatch, sp
     line = exit_info.value.code
     assert line.startswith(f"error: --reward_fn {spec}") and needle in line, line
     assert train_ppo.rule_scores("numpy_scores:f", [{"prompt": "1+1="}], ["2"]).tolist() == [0.5]
+    assert train_ppo.rule_scores("zero_d:tensor", [{"prompt": "1+1="}], ["2"]).tolist() == [0.25]
+    assert train_ppo.rule_scores("zero_d:array", [{"prompt": "1+1="}], ["2"]).tolist() == [0.75]
 
 
 @pytest.mark.parametrize(

@@ -200,6 +200,17 @@ def test_a_sigterm_while_the_ranks_import_waits_for_their_handlers(tmp_path, add
     assert "stopping after step 1" in log and latest(out).endswith("step-00000001"), log[-3000:]
 
 
+def test_stop_at_the_last_step_is_the_runs_end(tmp_path, addition_jsonl):
+    """--stop_at_step equal to --max_steps: the run ends there anyway, and exports; it said
+    "stopping after step 2 (--stop_at_step); go on with --resume latest", with nothing to go on
+    with."""
+    p = run_py(
+        "train_sft.py", *sft(str(tmp_path), addition_jsonl, "--max_steps", 2, "--stop_at_step", 2)
+    )
+    assert p.returncode == 0 and "stopping after" not in p.stdout, p.stdout + p.stderr[-2000:]
+    assert "done: 2 steps" in p.stdout and (tmp_path / "hf" / "config.json").exists(), p.stdout
+
+
 def test_a_pipeline_stopped_by_sigterm_starts_no_next_stage(tmp_path, addition_jsonl):
     """SIGTERM to `./launch.sh pipeline` during SFT: SFT saves and exits 0, and the reward model's
     stage, which needs SFT's export, is not started (it was, and failed: `--model .../sft/hf: no

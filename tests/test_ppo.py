@@ -163,6 +163,20 @@ def test_the_batch_std_is_the_whole_batchs_over_ranks(tmp_path):
     assert p.stdout.count("same") == 2, p.stdout
 
 
+def test_samples_are_logged_without_a_held_out_set(tmp_path, sft_model):
+    """samples.jsonl holds rank 0's own sampled rows, which need no held-out prompts: a user's
+    --data without --eval_data (here --eval_samples 0) logged none (they were written only
+    beside an evaluation)."""
+    out = tmp_path / "ppo"
+    flags = ("--eval_samples", 0, "--eval_every", 1, "--max_steps", 2, "--rollout_engine", "hf")
+    p = run_py("train_ppo.py", *ppo(out, sft_model, *flags))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert not any(k.startswith("eval/") for row in metrics(str(out)) for k in row)
+    with open(out / "samples.jsonl") as f:
+        steps = [json.loads(line)["step"] for line in f]
+    assert steps == [1] * 4 + [2] * 4, steps
+
+
 def test_ppo_resume_is_exact(tmp_path, straight, sft_model):
     out = str(tmp_path)
     run("train_ppo.py", *ppo(out, sft_model, "--stop_at_step", 2))
