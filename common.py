@@ -231,6 +231,15 @@ def build_parser(cls):
     return parser
 
 
+def given_flags(argv=None):
+    """The flags named on the command line (`sys.argv`), given their default value or not: a
+    check that refuses a flag of a mode not in use must see `--reward_fn task:reward_fn` (the
+    default, spelt out) beside `--reward_model` too, which the parsed Args cannot tell apart."""
+    if argv is None:
+        argv = sys.argv[1:]
+    return {token[2:].split("=", 1)[0] for token in argv if token.startswith("--")}
+
+
 def parse_args(cls, limits):
     """The `Args` dataclass from the command line (`build_parser`). Every number is then checked
     against `limits` and RUN_LIMITS (`check_limits`): bad flags stop here, before any work, with

@@ -5,6 +5,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -314,14 +315,25 @@ def test_a_reward_function_that_misbehaves_is_one_line(tmp_path, monkeypatch, sp
         (dict(reward_model="rm", reward_weights="2"), "--reward_weights 2 weigh --reward_fn"),
     ],
 )
-def test_a_reward_flag_of_the_reward_not_in_use_is_refused(flags, needle):
+def test_a_reward_flag_of_the_reward_not_in_use_is_refused(flags, needle, monkeypatch):
     """A --reward_fn beside a --reward_model was never called; --reward_norm without one did
-    nothing: both silently ignored before."""
+    nothing: both silently ignored before, and still when spelt out at their defaults (the
+    parsed Args alone cannot tell: `common.given_flags` reads the command line)."""
     import train_ppo
 
+    monkeypatch.setattr(sys, "argv", ["train_ppo.py"])
     with pytest.raises(SystemExit, match=needle):
         train_ppo.check_reward_flags(train_ppo.Args(**flags))
     train_ppo.check_reward_flags(train_ppo.Args(reward_model="rm", gold_reward_fn="task:reward_fn"))
+    train_ppo.check_reward_flags(train_ppo.Args())
+    spelt_out = [
+        (["--reward_fn", "task:reward_fn", "--reward_model", "rm"], dict(reward_model="rm")),
+        (["--reward_norm=true"], dict()),
+    ]
+    for argv, parsed in spelt_out:
+        monkeypatch.setattr(sys, "argv", ["train_ppo.py", *argv])
+        with pytest.raises(SystemExit, match="is not used with|applies to --reward_model"):
+            train_ppo.check_reward_flags(train_ppo.Args(**parsed))
 
 
 @pytest.mark.parametrize(
