@@ -855,6 +855,7 @@ def read_meta(path, step=None):
         "frozen": "frozen" not in meta or _is_fingerprints(meta["frozen"]),
         "folders": "folders" not in meta or _is_folder_records(meta["folders"]),
         "engine": meta.get("engine", "hf") in ("hf", "vllm"),  # PPO's rollout engine
+        "stage": type(meta.get("stage", "")) is str,  # the script that saved it
     }
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
@@ -1686,9 +1687,28 @@ def _comma_list(value):
 OLDER_SPELLINGS = {"reward_fn": _comma_list, "reward_weights": _comma_list}
 
 
+# Flags a resume may change that change the arithmetic's grouping, not what it computes: the
+# same batches, accumulated in other pieces (every stage's loss is a mean over the global batch);
+# a note says the run goes on, but not bitwise as it would have. One rank's micro-batch had to
+# match, and a run of micro-batch = batch could then never move to more ranks.
+NOTED_FLAGS = ["micro_batch_size"]
+
+
+def _note_regrouped(path, saved_args, args):
+    """Rank 0: a note for each NOTED_FLAGS flag the resumed run changes."""
+    for k in NOTED_FLAGS:
+        saved = saved_args.get(k)
+        if k in args and saved is not None and saved != args[k] and dist.get_rank() == 0:
+            print(
+                f"note: --{k} {saved!r} -> {args[k]!r} (from {path}): the same batches in other "
+                "pieces; the run goes on, not bitwise as it would have",
+                flush=True,
+            )
+
+
 def _same_settings(path, saved_args, args, must_match):
     """The flags in `must_match` as the checkpoint's run had them (its meta.json's args), or one
-    line listing each that differs."""
+    line listing each that differs; then a note for each of NOTED_FLAGS that changed."""
     diff = []
     for k in must_match:
         # a flag newer than the checkpoint: it was written with the flag's default
@@ -1701,16 +1721,26 @@ def _same_settings(path, saved_args, args, must_match):
         raise CheckpointError(
             f"{path} was saved by a different run; differing settings: {', '.join(diff)}"
         )
+    _note_regrouped(path, saved_args, args)
 
 
-def load(path, roles, args, must_match, frozen=None, folders=None):
+def load(path, roles, args, must_match, frozen=None, folders=None, stage=None):
     """Collective: every role's model and optimizer in place, then this rank's RNG (so call it
     after anything that draws from the RNG: engines, iterators); returns meta.json.
+    stage: the script resuming ("train_sft.py"), which must be the one that saved it (a
+    checkpoint from before the record says nothing, and is taken; None: not checked).
     frozen: {flag: common.weights_fingerprint} of the frozen models this run loaded from the
     folders those flags name, checked against the run's start (the same on every rank).
     folders: {flag: common.folder_identity} of every folder this run loaded a model from, checked
     the same way (config, generation config, tokenizer)."""
     meta = read_meta(path)  # resolve() verified the whole checkpoint already
+    saved_by = meta.get("stage", stage)
+    if stage is not None and saved_by != stage:
+        raise CheckpointError(
+            f"{path} was saved by {saved_by}, not {stage}: a stage resumes its own checkpoints; "
+            f"to start {stage} from it, export it (python checkpoint.py export {path} OUT) and "
+            "give --model OUT"
+        )
     _same_settings(path, meta["args"], args, must_match)
     for flag, sums in (frozen or {}).items():
         _same_frozen_weights(path, meta.get("frozen", {}).get(flag), sums, f"--{flag}", args)

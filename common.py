@@ -2376,10 +2376,17 @@ def resume(args, roles, sched, must_match, frozen=None, folders=None):
     if not final:
         return 0, None
     must_match = must_match + RUN_MUST_MATCH
-    meta = checkpoint.load(final, roles, vars(args), must_match, frozen, folders)
+    meta = checkpoint.load(final, roles, vars(args), must_match, frozen, folders, stage_of(args))
     checkpoint.restore_scheduler(sched, meta.get("scheduler"), f"{final}/meta.json")
     print0(f"resumed from {final} at step {meta['step']}")
     return meta["step"], final
+
+
+def stage_of(args):
+    """The stage script an `Args` belongs to ("train_sft.py"): recorded in every checkpoint, so
+    another stage does not resume it (SFT took a DPO checkpoint, whose role and flags it shares,
+    as its own)."""
+    return os.path.basename(sys.modules[type(args).__module__].__file__)
 
 
 def eval_due(args, step):
@@ -2401,7 +2408,7 @@ def end_of_step(args, step, device, roles, meta, hf_objs):
     last = signalled or step == args.max_steps or step == args.stop_at_step
     saved = None
     if due or last:
-        meta = {**meta, "args": vars(args)}
+        meta = {**meta, "args": vars(args), "stage": stage_of(args)}
         # The last save blocks even with --async_save: the process exits right after it.
         background = args.async_save and not last
         # --on_save_error warn trains on past a failed save, but a failed last save must stop with

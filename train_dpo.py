@@ -338,7 +338,7 @@ def main(args):
     folders = {"model": common.folder_identity(args.model)}
 
     # flags a resume may not change: the examples each step sees, and the loss
-    must_match = ["model", "data", "seed", "train_batch_size", "micro_batch_size"]
+    must_match = ["model", "data", "seed", "train_batch_size"]
     must_match += ["beta", "label_smoothing", "loss_type"]
     start, final = common.resume(args, roles, sched, must_match, frozen, folders)
     # the rows a killed run logged after the checkpoint go (all of them on a fresh start)

@@ -1544,7 +1544,6 @@ MUST_MATCH = [
     "rollout_batch_size",
     "n_samples_per_prompt",
     "train_batch_size",
-    "micro_batch_size",
     "advantage_estimator",
     "reward_fn",
     "reward_weights",
@@ -1592,7 +1591,8 @@ def main(args):
     kl_coef = args.kl_coef  # beta; the adaptive controller moves it [N policy #11]
     final = checkpoint.resolve(args.out_dir, args.resume)
     if final:  # the RNG is restored last, inside load
-        meta = checkpoint.load(final, roles, vars(args), MUST_MATCH, frozen, folders)
+        stage = common.stage_of(args)
+        meta = checkpoint.load(final, roles, vars(args), MUST_MATCH, frozen, folders, stage)
         note_another_engine(meta, engine, final)
         kl_coef = restore_schedules(meta, scheds, f"{final}/meta.json", args)
         start = meta["step"]

@@ -367,7 +367,7 @@ def main(args):
     folders = {"model": common.folder_identity(args.model)}
     # flags a resume may not change: the examples each step sees (--pairs_per_prompt makes the
     # embedded training set, whose size orders the batches) and the loss
-    must_match = ["model", "data", "seed", "train_batch_size", "micro_batch_size", "margin"]
+    must_match = ["model", "data", "seed", "train_batch_size", "margin"]
     must_match += ["pairs_per_prompt"]
     start, final = common.resume(args, roles, sched, must_match, folders=folders)
     # the rows a killed run logged after the checkpoint go (all of them on a fresh start)

@@ -259,7 +259,7 @@ def main(args):
     # again: they must be those the run began with (`checkpoint.load`)
     folders = {"model": common.folder_identity(args.model)}
     # flags a resume may not change: they decide which examples each step sees
-    must_match = ["model", "data", "seed", "train_batch_size", "micro_batch_size"]
+    must_match = ["model", "data", "seed", "train_batch_size"]
     start, final = common.resume(args, roles, sched, must_match, folders=folders)
     # the rows a killed run logged after the checkpoint go (all of them on a fresh start)
     metrics_log.truncate(start if final else None)

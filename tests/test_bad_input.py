@@ -165,13 +165,31 @@ def test_resume_with_changed_settings(tmp_path):
     changed = ("--train_batch_size", 16, "--micro_batch_size", 4, "--eval_samples", 8)
     changed += ("--resume", "latest", "--seed", 7)
     p = run_py("train_sft.py", *args[:-6], *changed)
-    assert_one_line_error(
-        p,
-        "differing settings",
-        "--seed 42 -> 7",
-        "--train_batch_size 8 -> 16",
-        "--micro_batch_size 8 -> 4",
-    )
+    assert_one_line_error(p, "differing settings", "--seed 42 -> 7", "--train_batch_size 8 -> 16")
+    assert "micro_batch_size" not in p.stderr
+    # --micro_batch_size only regroups the same batches: a note, and the run goes on (one rank
+    # at micro-batch = batch could not otherwise move to two)
+    regrouped = ("--max_steps", 2, "--train_batch_size", 8, "--micro_batch_size", 4)
+    p = run_py("train_sft.py", *args[:2], *regrouped, "--eval_samples", 8, "--resume", "latest")
+    assert p.returncode == 0, p.stderr[-2000:]
+    note = "note: --micro_batch_size 8 -> 4 (from "
+    assert note in p.stdout and "the same batches in other pieces" in p.stdout, p.stdout
+
+
+def test_another_stages_checkpoint_is_not_resumed(tmp_path):
+    """A DPO checkpoint has SFT's one role (`model`) and every setting SFT compares: train_sft.py
+    resumed it as its own (DPO's weights, Adam state and data position). Each checkpoint names
+    the script that saved it (`common.stage_of`)."""
+    short = ("--max_steps", 1, "--train_batch_size", 8, "--micro_batch_size", 8)
+    short += ("--eval_samples", 8)
+    dpo = tmp_path / "dpo"
+    task.ensure_tiny_model()
+    p = run_py("train_dpo.py", "--model", task.TINY_MODEL, "--out_dir", dpo, *short)
+    assert p.returncode == 0, p.stderr[-2000:]
+    ckpt = latest(dpo)
+    assert json.load(open(os.path.join(ckpt, "meta.json")))["stage"] == "train_dpo.py"
+    p = run_py("train_sft.py", "--out_dir", tmp_path / "sft", *short, "--resume", ckpt)
+    assert_one_line_error(p, f"{ckpt} was saved by train_dpo.py, not train_sft.py")
 
 
 def test_resume_keeps_the_chat_template_kwargs(tmp_path):
