@@ -1587,29 +1587,37 @@ def _candidates(root, resume):
             return [], f"{root} holds an earlier run's checkpoints: {hint}"
         return [], None
     # `latest` first, then older ones; newer ones than `latest` are an abandoned branch
-    _note_unusable_latest(root, names, top)
+    error = _unusable_latest(root, names, top)
+    if error:
+        return [], error
     candidates = names
     if top in names:
         candidates = [top] + [n for n in names if _step_of(n) < _step_of(top)]
     return [os.path.join(root, name) for name in candidates], None
 
 
-def _note_unusable_latest(root, names, top):
-    """Rank 0, --resume latest: a note when root/latest is there and names no checkpoint of root
-    (a step deleted by hand, a file overwritten): the resume then tries the newest by name, which
-    may be an abandoned branch's, so the user should know it is not what `latest` said."""
-    if not names or top in names:
-        return
+def _unusable_latest(root, names, top):
+    """Rank 0, --resume latest, when root/latest is there and names no checkpoint of root (steps
+    deleted by hand, a file overwritten): a note, and the resume tries the newest by name (which
+    may be an abandoned branch's, so the user should know it is not what `latest` said); or,
+    with no checkpoint left at all, the error line to stop with: a fresh start would have
+    dropped the run's metrics.jsonl without a word. None if `latest` is fine or not there."""
     where = os.path.join(root, "latest")
-    if top is not None:
-        print(f"note: {where} names {top}, which is not there; trying the newest, {names[0]}")
-        return
-    if objstore.is_url(root):
-        there = _store_call(objstore.is_object, where)
-    else:
-        there = os.path.lexists(where)
-    if there:
-        print(f"note: {where} names no checkpoint; trying the newest, {names[0]}")
+    if top in names:
+        return None
+    said = f"{where} names {top}, which is not there"
+    if top is None:
+        if objstore.is_url(root):
+            there = _store_call(objstore.is_object, where)
+        else:
+            there = os.path.lexists(where)
+        if not there:
+            return None  # a run killed before its first save: a fresh start
+        said = f"{where} names no checkpoint"
+    if not names:
+        return f"{said}, and {root} holds none: to start over, remove it or use another --out_dir"
+    print(f"note: {said}; trying the newest, {names[0]}")
+    return None
 
 
 def _started_from(path, resume):

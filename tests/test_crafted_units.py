@@ -341,7 +341,8 @@ def test_step_names_in_other_digits_are_not_checkpoints(tmp_path):
 )
 def test_a_latest_naming_no_checkpoint_is_noted(tmp_path, capsys, text, note):
     """`--resume latest` with a `latest` that names no checkpoint here tries the newest by name,
-    as it did silently: now with a note, as the newest may be an abandoned branch's."""
+    as it did silently: now with a note, as the newest may be an abandoned branch's. With no
+    checkpoint left at all it started over, dropping the run's metrics.jsonl: now it stops."""
     root = tmp_path / "checkpoints"
     write_small_checkpoint(root / "step-00000001", step=1)
     write_small_checkpoint(root / "step-00000002", step=2)
@@ -354,6 +355,17 @@ def test_a_latest_naming_no_checkpoint_is_noted(tmp_path, capsys, text, note):
         assert out == ""
     else:
         assert out.startswith(f"note: {root / 'latest'} {note}; trying the newest, step-00000002")
+    # with no checkpoint left, a fresh start would drop the run's metrics: it stops instead
+    for step in ("step-00000001", "step-00000002"):
+        shutil.rmtree(root / step)
+    paths, error = checkpoint._candidates(str(root), "latest")
+    assert paths == []
+    if text is None:  # no `latest` either: a first launch (or one killed before its first save)
+        assert error is None
+    else:
+        assert error.startswith(f"{root / 'latest'} names ") and error.endswith(
+            f", and {root} holds none: to start over, remove it or use another --out_dir"
+        )
 
 
 # ---- the run lock on a store (objstore.py), on fsspec's in-memory store ------------------------
