@@ -856,6 +856,7 @@ def read_meta(path, step=None):
         "folders": "folders" not in meta or _is_folder_records(meta["folders"]),
         "engine": meta.get("engine", "hf") in ("hf", "vllm"),  # PPO's rollout engine
         "stage": type(meta.get("stage", "")) is str,  # the script that saved it
+        "data": meta.get("data") is None or type(meta.get("data")) is str,  # --data's sha256
     }
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
@@ -1714,6 +1715,30 @@ def _note_regrouped(path, saved_args, args):
             )
 
 
+def _same_stage(path, meta, stage):
+    """One line if another stage script saved the checkpoint (one from before the record says
+    nothing, and is taken)."""
+    saved_by = meta.get("stage", stage)
+    if saved_by != stage:
+        raise CheckpointError(
+            f"{path} was saved by {saved_by}, not {stage}: a stage resumes its own checkpoints; "
+            f"to start {stage} from it, export it (python checkpoint.py export {path} OUT) and "
+            "give --model OUT"
+        )
+
+
+def _same_data(path, meta, data, flag_value):
+    """One line if the --data file's bytes are not those the checkpoint trained on (sha256; one
+    from before the record says nothing, and is taken)."""
+    saved = meta.get("data", data)
+    if saved != data:
+        raise CheckpointError(
+            f"{path} trained on other contents of --data {flag_value} (sha256 {saved!s:.12}..., "
+            f"now {data!s:.12}...): the saved data position indexes those rows; restore the "
+            "file, or start a new run"
+        )
+
+
 def _same_settings(path, saved_args, args, must_match):
     """The flags in `must_match` as the checkpoint's run had them (its meta.json's args), or one
     line listing each that differs; then a note for each of NOTED_FLAGS that changed."""
@@ -1732,24 +1757,22 @@ def _same_settings(path, saved_args, args, must_match):
     _note_regrouped(path, saved_args, args)
 
 
-def load(path, roles, args, must_match, frozen=None, folders=None, stage=None):
+def load(path, roles, args, must_match, frozen=None, folders=None, identity=None):
     """Collective: every role's model and optimizer in place, then this rank's RNG (so call it
     after anything that draws from the RNG: engines, iterators); returns meta.json.
-    stage: the script resuming ("train_sft.py"), which must be the one that saved it (a
-    checkpoint from before the record says nothing, and is taken; None: not checked).
+    identity: `common.run_identity` of this run, {"stage", "data"}: the script that saved the
+    checkpoint and the sha256 of its --data, which must be this run's (`_same_stage`,
+    `_same_data`).
     frozen: {flag: common.weights_fingerprint} of the frozen models this run loaded from the
     folders those flags name, checked against the run's start (the same on every rank).
     folders: {flag: common.folder_identity} of every folder this run loaded a model from, checked
     the same way (config, generation config, tokenizer)."""
     meta = read_meta(path)  # resolve() verified the whole checkpoint already
-    saved_by = meta.get("stage", stage)
-    if stage is not None and saved_by != stage:
-        raise CheckpointError(
-            f"{path} was saved by {saved_by}, not {stage}: a stage resumes its own checkpoints; "
-            f"to start {stage} from it, export it (python checkpoint.py export {path} OUT) and "
-            "give --model OUT"
-        )
+    if identity:  # a stage's run (a bench or a test may load without)
+        _same_stage(path, meta, identity["stage"])
     _same_settings(path, meta["args"], args, must_match)
+    if identity:
+        _same_data(path, meta, identity["data"], args["data"])
     for flag, sums in (frozen or {}).items():
         _same_frozen_weights(path, meta.get("frozen", {}).get(flag), sums, f"--{flag}", args)
     for flag, identity in (folders or {}).items():

@@ -879,7 +879,13 @@ def _load_jsonl(path, check_row):
         rows = _read_jsonl(path, check_row, digest)
     except OSError as e:  # a disk or network read error carries no file name of its own
         raise SystemExit(f"error: {path}: {e.strerror or e}") from None
-    return rows, digest.hexdigest()
+    DATA_DIGESTS[path] = digest.hexdigest()
+    return rows, DATA_DIGESTS[path]
+
+
+# sha256 of each data file this process has read (`_load_jsonl`), by path as given: a checkpoint
+# records its --data's (`run_identity`)
+DATA_DIGESTS = {}
 
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -2376,17 +2382,24 @@ def resume(args, roles, sched, must_match, frozen=None, folders=None):
     if not final:
         return 0, None
     must_match = must_match + RUN_MUST_MATCH
-    meta = checkpoint.load(final, roles, vars(args), must_match, frozen, folders, stage_of(args))
+    identity = run_identity(args)
+    meta = checkpoint.load(final, roles, vars(args), must_match, frozen, folders, identity)
     checkpoint.restore_scheduler(sched, meta.get("scheduler"), f"{final}/meta.json")
     print0(f"resumed from {final} at step {meta['step']}")
     return meta["step"], final
 
 
-def stage_of(args):
-    """The stage script an `Args` belongs to ("train_sft.py"): recorded in every checkpoint, so
-    another stage does not resume it (SFT took a DPO checkpoint, whose role and flags it shares,
-    as its own)."""
-    return os.path.basename(sys.modules[type(args).__module__].__file__)
+def run_identity(args):
+    """What a checkpoint records of the run beyond its flags, and a resume must find the same
+    (`checkpoint.load`): {"stage": the script an `Args` belongs to ("train_sft.py"): SFT took a
+    DPO checkpoint, whose role and flags it shares, as its own; "data": the sha256 of --data's
+    bytes (None for the embedded task, which the code makes): a file cut or rewritten under the
+    same name was resumed, its batches drawn from other rows at the saved position}."""
+    stage = os.path.basename(sys.modules[type(args).__module__].__file__)
+    data = None
+    if args.data:
+        data = DATA_DIGESTS[args.data]  # read at the start (`_load_jsonl`)
+    return {"stage": stage, "data": data}
 
 
 def eval_due(args, step):
@@ -2408,7 +2421,7 @@ def end_of_step(args, step, device, roles, meta, hf_objs):
     last = signalled or step == args.max_steps or step == args.stop_at_step
     saved = None
     if due or last:
-        meta = {**meta, "args": vars(args), "stage": stage_of(args)}
+        meta = {**meta, "args": vars(args), **run_identity(args)}
         # The last save blocks even with --async_save: the process exits right after it.
         background = args.async_save and not last
         # --on_save_error warn trains on past a failed save, but a failed last save must stop with

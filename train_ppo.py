@@ -1591,8 +1591,8 @@ def main(args):
     kl_coef = args.kl_coef  # beta; the adaptive controller moves it [N policy #11]
     final = checkpoint.resolve(args.out_dir, args.resume)
     if final:  # the RNG is restored last, inside load
-        stage = common.stage_of(args)
-        meta = checkpoint.load(final, roles, vars(args), MUST_MATCH, frozen, folders, stage)
+        identity = common.run_identity(args)
+        meta = checkpoint.load(final, roles, vars(args), MUST_MATCH, frozen, folders, identity)
         note_another_engine(meta, engine, final)
         kl_coef = restore_schedules(meta, scheds, f"{final}/meta.json", args)
         start = meta["step"]

@@ -179,7 +179,7 @@ def test_resume_with_changed_settings(tmp_path):
 def test_another_stages_checkpoint_is_not_resumed(tmp_path):
     """A DPO checkpoint has SFT's one role (`model`) and every setting SFT compares: train_sft.py
     resumed it as its own (DPO's weights, Adam state and data position). Each checkpoint names
-    the script that saved it (`common.stage_of`)."""
+    the script that saved it (`common.run_identity`)."""
     short = ("--max_steps", 1, "--train_batch_size", 8, "--micro_batch_size", 8)
     short += ("--eval_samples", 8)
     dpo = tmp_path / "dpo"
@@ -190,6 +190,24 @@ def test_another_stages_checkpoint_is_not_resumed(tmp_path):
     assert json.load(open(os.path.join(ckpt, "meta.json")))["stage"] == "train_dpo.py"
     p = run_py("train_sft.py", "--out_dir", tmp_path / "sft", *short, "--resume", ckpt)
     assert_one_line_error(p, f"{ckpt} was saved by train_dpo.py, not train_sft.py")
+
+
+def test_a_resume_checks_the_data_files_contents(tmp_path):
+    """The saved data position indexes the --data file's rows: cut or rewritten under the same
+    name, the resume drew its batches from other rows, silently. The checkpoint holds the file's
+    sha256 (`common.run_identity`); the file as it was resumes."""
+    data = tmp_path / "d.jsonl"
+    text = "".join(json.dumps(row) + "\n" for row in task.make_split("train")[:32])
+    data.write_text(text)
+    args = ("--out_dir", tmp_path / "out", "--data", data, "--max_steps", 2)
+    args += ("--train_batch_size", 8, "--micro_batch_size", 8, "--eval_samples", 8)
+    assert run_py("train_sft.py", *args, "--stop_at_step", 1).returncode == 0
+    data.write_text("".join(text.splitlines(keepends=True)[:24]))
+    p = run_py("train_sft.py", *args, "--resume", "latest")
+    assert_one_line_error(p, f"trained on other contents of --data {data} (sha256 ")
+    data.write_text(text)
+    p = run_py("train_sft.py", *args, "--resume", "latest")
+    assert p.returncode == 0 and "done: 2 steps" in p.stdout, p.stderr[-2000:]
 
 
 def test_resume_keeps_the_chat_template_kwargs(tmp_path):
