@@ -1388,7 +1388,35 @@ def resolve(out_dir, resume):
     if error:
         raise CheckpointError(error)
     _run["branch"] = _branch_of(path, os.path.join(out_dir, "checkpoints"))
+    if mode == resume and resume not in ("", "latest") and _run["branch"]:
+        _begin_branch(os.path.join(out_dir, "checkpoints"), _run["branch"])
     return path
+
+
+def _begin_branch(root, name):
+    """Collective, a run resumed by --resume PATH from one of its folder's own checkpoints (a
+    branch): where `latest` names a newer step, rank 0 points it at PATH (`name`) before the run
+    writes anything. The run drops the rows after PATH's step from metrics.jsonl at once; a branch
+    that then failed or was killed before its first save left `latest` on the newer step, and
+    `--resume latest` went on from there with the branch's rows in place of its own. The newer
+    checkpoints stay, as an abandoned branch's (passed over, replaced as the run saves)."""
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            top = _read_latest(root)
+            if top is not None and _step_of(top) > _step_of(name):
+                if objstore.is_url(root):
+                    objstore.write_bytes(os.path.join(root, "latest"), (name + "\n").encode())
+                else:
+                    _point_latest(root, name)
+                    _durable(root)
+                print(f"note: {root}/latest names {name} now (was {top}): a branch from it")
+        except (OSError, objstore.StoreError, CheckpointError) as e:
+            error = f"{root}/latest: could not point it at {name}, the branch's start ({e})"
+    outcome = [error]
+    dist.broadcast_object_list(outcome, src=0)  # every rank stops alike, or none
+    if outcome[0]:
+        raise CheckpointError(outcome[0])
 
 
 def _branch_of(path, root):

@@ -612,6 +612,23 @@ def test_resume_truncates_samples_like_metrics(copy, addition_jsonl):
     assert [r["step"] for r in metrics(copy)] == [1, 2, 3, 4]
 
 
+def test_a_branch_that_fails_before_its_first_save_leaves_latest_at_its_start(copy, addition_jsonl):
+    """--resume PATH of an older checkpoint of the run's own (a branch) drops the rows after
+    PATH's step at once; one that failed before its first save (here a --lr that diverges at
+    step 3) left `latest` on step 4, whose rows 3 and 4 were gone, and `--resume latest` went on
+    from step 4 with the branch's row 3 in their place. `latest` now names PATH from the branch's
+    start (`checkpoint.py: _begin_branch`): the history stays one run's."""
+    step2 = os.path.join(copy, "checkpoints", "step-00000002")
+    flags = ("--resume", step2, "--lr", "1e20", "--save_every", 100)
+    p = run("train_sft.py", *sft(copy, addition_jsonl, *flags), check=False)
+    assert p.returncode != 0 and "gradient norm is nan" in p.stderr, p.stderr[-3000:]
+    assert latest(copy) == step2
+    p = run("train_sft.py", *sft(copy, addition_jsonl, "--resume", "latest"))
+    assert f"resumed from {step2} at step 2" in p.stdout + p.stderr
+    assert [r["step"] for r in metrics(copy)] == [1, 2, 3, 4]
+    assert all(r["train/lr"] < 1 for r in metrics(copy))  # no row of the branch's --lr 1e20
+
+
 def test_a_crafted_hf_folder_in_a_checkpoint_is_one_line_on_export(copy, tmp_path):
     """checkpoint.py export loads the checkpoint's hf/ with transformers: a config field of the
     wrong value (the manifest rewritten to match) raised a ZeroDivisionError, not the line."""
