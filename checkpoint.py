@@ -2027,6 +2027,8 @@ def export(path, out, role=None):
         # a deployment, may start from it right after a power loss)
         _durable_tree(staging)
         _install(staging, out)
+        # an earlier export a killed one set aside, kept above while it was the only copy
+        _remove_dead_staging(parent, name)
     except OSError as e:  # named by the folder asked for, not the staging one
         reason = e.strerror or str(e).splitlines()[0]
         raise OSError(f"{out}: {reason}") from None

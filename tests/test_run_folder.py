@@ -214,6 +214,10 @@ def test_an_export_is_written_whole_or_not_at_all(done, tmp_path, monkeypatch):
     checkpoint.verify(latest(done))
 
 
+def failing_export(path, manifest, role, dest, local):
+    raise OSError(28, "No space left on device")
+
+
 def test_what_a_killed_export_left_is_removed_by_the_next(done, tmp_path):
     """A kill during an export leaves its staging folder (or the earlier export set aside) beside
     the export, a model's size each. The next export of that folder removes those whose process
@@ -232,9 +236,13 @@ def test_what_a_killed_export_left_is_removed_by_the_next(done, tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "model.safetensors").write_bytes(b"half")
     # No export there yet: as after a kill between _install's renames, an earlier export set
-    # aside may be the only copy: kept until an export is in place again.
-    checkpoint.export(latest(done), str(tmp_path / "export"))
-    assert sorted(os.listdir(tmp_path)) == sorted(["export", left[1], *kept])
+    # aside may be the only copy: kept until an export is in place again, then removed (it
+    # stayed until the export after that)
+    with pytest.MonkeyPatch.context() as patch:  # an export that fails before it is in place
+        patch.setattr(checkpoint, "_export_from", failing_export)
+        with pytest.raises(OSError, match="export: No space left on device"):
+            checkpoint.export(latest(done), str(tmp_path / "export"))
+    assert sorted(os.listdir(tmp_path)) == sorted([left[1], *kept])
     checkpoint.export(latest(done), str(tmp_path / "export"))
     assert sorted(os.listdir(tmp_path)) == sorted(["export", *kept])
     # into a folder that does not exist yet, parents and all
