@@ -2409,18 +2409,21 @@ def eval_due(args, step):
     return every or step == args.max_steps
 
 
-def end_of_step(args, step, device, roles, meta, hf_objs):
+def end_of_step(args, step, device, roles, meta, hf_objs, before_save=None):
     """Collective: save a checkpoint when one is due, and say whether the run stops here.
 
     Due: every --save_every steps, after --save_every_minutes, at the last step, at --stop_at_step,
     and when a signal arrived on any rank (`checkpoint.boundary` makes that one decision for all).
-    Returns (the checkpoint committed now, or None; stop?)."""
+    before_save: called on every rank right before a save (train_rm.py records its reward
+    statistics in the config saved). Returns (the checkpoint committed now, or None; stop?)."""
     due, signalled = checkpoint.boundary(
         step, args.save_every, args.save_every_minutes, bool(SIGNALS), device
     )
     last = signalled or step == args.max_steps or step == args.stop_at_step
     saved = None
     if due or last:
+        if before_save is not None:
+            before_save()  # may be collective: every rank saves here, or none
         meta = {**meta, "args": vars(args), **run_identity(args)}
         # The last save blocks even with --async_save: the process exits right after it.
         background = args.async_save and not last

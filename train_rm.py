@@ -28,6 +28,7 @@ logging) is in common.py.
 """
 
 import dataclasses
+import functools
 import math
 import time
 import typing
@@ -326,11 +327,12 @@ def distinct_chosen(train, n):
     return list(chosen.values())
 
 
+@torch.no_grad()
 def record_reward_scale(args, model, train, pad_id, device):
     """The reward's mean and std over --norm_samples distinct chosen responses of the training
     pairs (`distinct_chosen`, `reward_stats`), written into the model's config for PPO's
-    normalisation: in the last checkpoint's config, and so in the export. Returns them as
-    metrics."""
+    normalisation: in every checkpoint's config (main records them before each save), and so in
+    the export. Returns them as metrics."""
     chosen = distinct_chosen(train, args.norm_samples)
     mean, std = reward_stats(model, chosen, pad_id, args.micro_batch_size, device)
     model.config.reward_mean = mean
@@ -399,7 +401,15 @@ def main(args):
             "consumed_samples": step * args.train_batch_size,
             "folders": folders,
         }
-        saved, stop = common.end_of_step(args, step, device, roles, meta, (model.config, tok))
+        # every checkpoint's config holds its own weights' statistics (the last step's are
+        # recorded above), so a resume that ends at its step, or its export, is PPO's as is
+        record = None
+        if step != args.max_steps:
+            record = functools.partial(
+                record_reward_scale, args, model, train, tok.pad_token_id, device
+            )
+        hf_objs = (model.config, tok)
+        saved, stop = common.end_of_step(args, step, device, roles, meta, hf_objs, record)
         if step == args.max_steps:
             final = saved
         if stop:

@@ -136,14 +136,21 @@ def test_ppo_optimises_the_rm_and_logs_the_gold_rule(tmp_path, straight):
     assert rows[1]["objective/score"] not in (0.0, 1.0)
 
 
-def test_a_reward_model_trained_further_drops_its_old_statistics(tmp_path, straight):
-    """Started from a reward model's export (its config has reward_mean and reward_std), a run's
-    checkpoints before its last step must carry none: an export of one (by hand) kept the old
-    model's, and PPO normalised the new scores with them."""
+def test_every_checkpoint_carries_its_own_weights_statistics(tmp_path, straight):
+    """Started from a reward model's export (its config has reward_mean and reward_std): an
+    export (by hand) of a checkpoint before the last step kept the old model's, and PPO
+    normalised the new scores with them; later such checkpoints carried none, and a resume that
+    ended at one (--max_steps lowered to its step) exported a reward model without them. Every
+    checkpoint's config now holds its own weights' (`train_rm.py: main`)."""
     out = str(tmp_path)
     args = ("--model", os.path.join(straight, "hf"), "--out_dir", out, "--max_steps", 2)
     args += ("--train_batch_size", 4, "--micro_batch_size", 4, "--save_every", 1)
-    args += ("--stop_at_step", 1, "--eval_every", 0, "--pairs_per_prompt", 1)
-    run("train_rm.py", *args, nproc=1)
+    args += ("--eval_every", 0, "--pairs_per_prompt", 1)
+    run("train_rm.py", *args, "--stop_at_step", 1, nproc=1)
     config = json.load(open(os.path.join(latest(out), "hf", "config.json")))
-    assert "reward_mean" not in config and "reward_std" not in config
+    old = json.load(open(os.path.join(straight, "hf", "config.json")))
+    assert config["reward_std"] > 0 and config["reward_mean"] != old["reward_mean"]
+    run("train_rm.py", *args, "--max_steps", 1, "--resume", "latest", nproc=1)
+    exported = json.load(open(os.path.join(out, "hf", "config.json")))
+    assert exported["reward_mean"] == config["reward_mean"]
+    assert exported["reward_std"] == config["reward_std"]
