@@ -197,7 +197,8 @@ def test_a_resume_checks_the_data_files_contents(tmp_path):
     name, the resume drew its batches from other rows, silently. The checkpoint holds the file's
     sha256 (`common.run_identity`); the file as it was resumes."""
     data = tmp_path / "d.jsonl"
-    text = "".join(json.dumps(row) + "\n" for row in task.make_split("train")[:32])
+    rows = task.make_split("train")[:32]
+    text = "".join(json.dumps(row) + "\n" for row in rows)
     data.write_text(text)
     args = ("--out_dir", tmp_path / "out", "--data", data, "--max_steps", 2)
     args += ("--train_batch_size", 8, "--micro_batch_size", 8, "--eval_samples", 8)
