@@ -1595,13 +1595,15 @@ def _candidates(root, resume):
     checkpoints folder `root`."""
     names, top = _step_dirs(root)
     if resume and resume != "latest":  # --resume PATH: that one, or a clear error
-        if not names or _branch_of(resume, root):
-            return [resume], None
-        if _restarted() and _started_from(os.path.join(root, top or names[0]), resume):
-            # torchrun restarted a run that started from another run's checkpoint: the newest
-            # here are its own (their meta.json has this very --resume), newer than PATH
+        if names and _restarted() and _started_from(os.path.join(root, top or names[0]), resume):
+            # torchrun restarted a run that started from PATH, another run's checkpoint or one
+            # of this folder's own (a branch, whose start pointed `latest` at PATH:
+            # `_begin_branch`): the newest here are its own (their meta.json has this very
+            # --resume), newer than PATH
             print(f"restarted: resuming from {root}'s newest checkpoint, not {resume}")
             resume = "latest"
+        elif not names or _branch_of(resume, root):
+            return [resume], None
         else:
             # another run's checkpoint into a folder of checkpoints: its saves would overwrite
             # those of the same step, and --keep_last prune the others

@@ -536,6 +536,32 @@ def test_a_restart_one_node_counted_resumes_on_every_rank(copy, tmp_path, additi
     assert logged_steps(copy) == 6
 
 
+# A restart, as every rank of a group torchrun restarted sees it
+RESTARTED_SITE = """
+import os
+os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
+"""
+
+
+def test_a_restarted_branch_carries_on_from_its_own_newest(copy, tmp_path, addition_jsonl):
+    """A branch (--resume PATH of the run's own step 2, latest at 4) saves step 3, then torchrun
+    restarts it with the same command line: it redid the steps from PATH, as it could not tell
+    its own step 3 from an abandoned branch's. The branch's start pointed `latest` at PATH
+    (`checkpoint.py: _begin_branch`); `latest` is now its step 3, whose meta.json names this
+    --resume: the restart goes on from there."""
+    step2 = os.path.join(copy, "checkpoints", "step-00000002")
+    branch = sft(copy, addition_jsonl, "--resume", step2, "--save_every", 1)
+    run("train_sft.py", *branch, "--stop_at_step", 3)
+    assert latest(copy).endswith("step-00000003")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(RESTARTED_SITE)
+    p = run("train_sft.py", *branch, env={"PYTHONPATH": str(site)})
+    log = p.stdout + p.stderr
+    assert "restarted: resuming from" in log and "step-00000003 at step 3" in log, log[-3000:]
+    assert [r["step"] for r in metrics(copy)] == [1, 2, 3, 4]
+
+
 def test_resume_latest_with_every_checkpoint_damaged_stops(copy, addition_jsonl):
     root = os.path.join(copy, "checkpoints")
     shard = os.path.join(root, "step-00000004", "dcp", "__0_0.distcp")
