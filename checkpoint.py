@@ -1387,36 +1387,48 @@ def resolve(out_dir, resume):
     path, error = _choose(plan["candidates"], mode)
     if error:
         raise CheckpointError(error)
-    _run["branch"] = _branch_of(path, os.path.join(out_dir, "checkpoints"))
+    root = os.path.join(out_dir, "checkpoints")
+    _run["branch"] = _branch_of(path, root)
+    _run["branch_start"] = None
     if mode == resume and resume not in ("", "latest") and _run["branch"]:
-        _begin_branch(os.path.join(out_dir, "checkpoints"), _run["branch"])
+        _run["branch_start"] = (root, _run["branch"])  # `begin_branch`, once the resume is checked
     return path
 
 
-def _begin_branch(root, name):
-    """Collective, a run resumed by --resume PATH from one of its folder's own checkpoints (a
-    branch): where `latest` names a newer step, rank 0 points it at PATH (`name`) before the run
-    writes anything. The run drops the rows after PATH's step from metrics.jsonl at once; a branch
-    that then failed or was killed before its first save left `latest` on the newer step, and
-    `--resume latest` went on from there with the branch's rows in place of its own. The newer
-    checkpoints stay, as an abandoned branch's (passed over, replaced as the run saves)."""
+def begin_branch():
+    """Collective, as the resumed run drops its predecessor's rows after the checkpoint
+    (`common.MetricsLog.truncate`, after every check of the resume): a run resumed by --resume
+    PATH from one of its folder's own checkpoints (a branch) has rank 0 point `latest` at PATH
+    where it names a newer step. A branch that failed or was killed before its first save left
+    `latest` on the newer step, whose rows were gone, and `--resume latest` went on from there
+    with the branch's rows in their place. The newer checkpoints stay, as an abandoned branch's
+    (passed over, replaced as the run saves)."""
+    if not _run.get("branch_start"):
+        return
+    root, name = _run.pop("branch_start")
     error = None
+    moved = False
     if dist.get_rank() == 0:
         try:
             top = _read_latest(root)
-            if top is not None and _step_of(top) > _step_of(name):
+            # a copy under another name (`best/`) may be resumed; it orders with no step
+            if top is not None and objstore.is_step_name(name) and _step_of(top) > _step_of(name):
                 if objstore.is_url(root):
                     objstore.write_bytes(os.path.join(root, "latest"), (name + "\n").encode())
                 else:
                     _point_latest(root, name)
                     _durable(root)
+                moved = True
                 print(f"note: {root}/latest names {name} now (was {top}): a branch from it")
-        except (OSError, objstore.StoreError, CheckpointError) as e:
+        # anything, on rank 0 alone: the other ranks wait in the broadcast below for its outcome
+        except Exception as e:
             error = f"{root}/latest: could not point it at {name}, the branch's start ({e})"
-    outcome = [error]
+    outcome = [error, moved]
     dist.broadcast_object_list(outcome, src=0)  # every rank stops alike, or none
     if outcome[0]:
         raise CheckpointError(outcome[0])
+    if outcome[1]:
+        _run["latest"] = name  # what a failed save's line calls latest on an unreachable store
 
 
 def _branch_of(path, root):
@@ -1595,15 +1607,17 @@ def _candidates(root, resume):
     checkpoints folder `root`."""
     names, top = _step_dirs(root)
     if resume and resume != "latest":  # --resume PATH: that one, or a clear error
-        if names and _restarted() and _started_from(os.path.join(root, top or names[0]), resume):
-            # torchrun restarted a run that started from PATH, another run's checkpoint or one
-            # of this folder's own (a branch, whose start pointed `latest` at PATH:
-            # `_begin_branch`): the newest here are its own (their meta.json has this very
-            # --resume), newer than PATH
+        if not names or _branch_of(resume, root):
+            # (a restart of a branch from PATH, one of this folder's own, starts from PATH
+            # again: an earlier attempt of the same command, killed, may have saved newer
+            # checkpoints with this very --resume, and a restart before this attempt's
+            # `begin_branch` could not tell them from its own)
+            return [resume], None
+        if _restarted() and _started_from(os.path.join(root, top or names[0]), resume):
+            # torchrun restarted a run that started from another run's checkpoint: the newest
+            # here are its own (their meta.json has this very --resume), newer than PATH
             print(f"restarted: resuming from {root}'s newest checkpoint, not {resume}")
             resume = "latest"
-        elif not names or _branch_of(resume, root):
-            return [resume], None
         else:
             # another run's checkpoint into a folder of checkpoints: its saves would overwrite
             # those of the same step, and --keep_last prune the others

@@ -759,7 +759,10 @@ class MetricsLog:
     def truncate(self, step):
         """Call once checkpoint.resolve() holds the run lock. A resumed run redoes the steps its
         predecessor logged after the checkpoint, and a fresh start (step None) all of them: drop
-        their rows, from metrics.jsonl and samples.jsonl alike."""
+        their rows, from metrics.jsonl and samples.jsonl alike; a branch (--resume PATH, an
+        older checkpoint of the run's own) moves `latest` back to PATH first, so the folder's
+        history stays one run's (`checkpoint.begin_branch`, collective)."""
+        checkpoint.begin_branch()
         if dist.get_rank() != 0:
             return
         self.fetch(step)

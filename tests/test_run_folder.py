@@ -536,32 +536,6 @@ def test_a_restart_one_node_counted_resumes_on_every_rank(copy, tmp_path, additi
     assert logged_steps(copy) == 6
 
 
-# A restart, as every rank of a group torchrun restarted sees it
-RESTARTED_SITE = """
-import os
-os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
-"""
-
-
-def test_a_restarted_branch_carries_on_from_its_own_newest(copy, tmp_path, addition_jsonl):
-    """A branch (--resume PATH of the run's own step 2, latest at 4) saves step 3, then torchrun
-    restarts it with the same command line: it redid the steps from PATH, as it could not tell
-    its own step 3 from an abandoned branch's. The branch's start pointed `latest` at PATH
-    (`checkpoint.py: _begin_branch`); `latest` is now its step 3, whose meta.json names this
-    --resume: the restart goes on from there."""
-    step2 = os.path.join(copy, "checkpoints", "step-00000002")
-    branch = sft(copy, addition_jsonl, "--resume", step2, "--save_every", 1)
-    run("train_sft.py", *branch, "--stop_at_step", 3)
-    assert latest(copy).endswith("step-00000003")
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(RESTARTED_SITE)
-    p = run("train_sft.py", *branch, env={"PYTHONPATH": str(site)})
-    log = p.stdout + p.stderr
-    assert "restarted: resuming from" in log and "step-00000003 at step 3" in log, log[-3000:]
-    assert [r["step"] for r in metrics(copy)] == [1, 2, 3, 4]
-
-
 def test_resume_latest_with_every_checkpoint_damaged_stops(copy, addition_jsonl):
     root = os.path.join(copy, "checkpoints")
     shard = os.path.join(root, "step-00000004", "dcp", "__0_0.distcp")
@@ -650,9 +624,13 @@ def test_a_branch_that_fails_before_its_first_save_leaves_latest_at_its_start(co
     """--resume PATH of an older checkpoint of the run's own (a branch) drops the rows after
     PATH's step at once; one that failed before its first save (here a --lr that diverges at
     step 3) left `latest` on step 4, whose rows 3 and 4 were gone, and `--resume latest` went on
-    from step 4 with the branch's row 3 in their place. `latest` now names PATH from the branch's
-    start (`checkpoint.py: _begin_branch`): the history stays one run's."""
+    from step 4 with the branch's row 3 in their place. `latest` now names PATH once the branch
+    is checked and its rows go (`checkpoint.py: begin_branch`): the history stays one run's."""
     step2 = os.path.join(copy, "checkpoints", "step-00000002")
+    # a branch refused (another --seed) changes nothing: `latest` moves only as rows go
+    p = run("train_sft.py", *sft(copy, addition_jsonl, "--resume", step2, "--seed", 7), check=False)
+    assert p.returncode != 0 and "--seed 42 -> 7" in p.stderr, p.stderr[-3000:]
+    assert latest(copy).endswith("step-00000004")
     flags = ("--resume", step2, "--lr", "1e20", "--save_every", 100)
     p = run("train_sft.py", *sft(copy, addition_jsonl, *flags), check=False)
     assert p.returncode != 0 and "gradient norm is nan" in p.stderr, p.stderr[-3000:]
