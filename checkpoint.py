@@ -1779,7 +1779,7 @@ def _same_data(path, meta, data, flag_value):
         raise CheckpointError(
             f"{path} trained on other contents of --data {flag_value} (sha256 {saved!s:.12}..., "
             f"now {data!s:.12}...): the saved data position indexes those rows; restore the "
-            "file, or start a new run"
+            "file, or start over in a new --out_dir from its export (checkpoint.py export)"
         )
 
 
@@ -1819,8 +1819,8 @@ def load(path, roles, args, must_match, frozen=None, folders=None, identity=None
         _same_data(path, meta, identity["data"], args["data"])
     for flag, sums in (frozen or {}).items():
         _same_frozen_weights(path, meta.get("frozen", {}).get(flag), sums, f"--{flag}", args)
-    for flag, identity in (folders or {}).items():
-        _same_folder(path, meta.get("folders", {}).get(flag), identity, f"--{flag}", args)
+    for flag, record in (folders or {}).items():
+        _same_folder(path, meta.get("folders", {}).get(flag), record, f"--{flag}", args)
     if meta["step"] > args["max_steps"]:  # the loop would not run, and nothing be exported
         raise CheckpointError(
             f"{path} is at step {meta['step']}, past --max_steps {args['max_steps']}: nothing to "
@@ -2043,13 +2043,15 @@ def export(path, out, role=None):
         # a deployment, may start from it right after a power loss)
         _durable_tree(staging)
         _install(staging, out)
-        # an earlier export a killed one set aside, kept above while it was the only copy
-        _remove_dead_staging(parent, name)
     except OSError as e:  # named by the folder asked for, not the staging one
         reason = e.strerror or str(e).splitlines()[0]
         raise OSError(f"{out}: {reason}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    try:  # an earlier export a killed one set aside, kept above while it was the only copy
+        _remove_dead_staging(parent, name)
+    except OSError:  # the export is in place: a leftover that stays is no failed export
+        pass
 
 
 # What an export writes (model.save_pretrained, tokenizer.save_pretrained; the tokenizer files of

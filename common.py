@@ -1320,7 +1320,7 @@ def render_prompt(tok, prompt, where, tokenize):
         )
     messages = chat_messages(prompt)
     try:
-        with render_time_limit():
+        with render_time_limit(where):
             return tok.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=tokenize, **CHAT_TEMPLATE_KWARGS
             )
@@ -1849,42 +1849,50 @@ def load_weights(path, model_class, kwargs, flag):
         raise SystemExit(load_error(path, e, flag))
 
 
-class TemplateTimeout(Exception):
-    """A chat template still rendering after TEMPLATE_SECONDS (`render_time_limit`)."""
-
-
 # A real template renders a prompt in milliseconds; a crafted one can loop for hours
 TEMPLATE_SECONDS = 60
 
 
 @contextlib.contextmanager
-def render_time_limit():
-    """A chat template's rendering stopped by TemplateTimeout after TEMPLATE_SECONDS: nested
-    `range` loops in a crafted tokenizer_config.json hung the start, and a signal could not end
-    it (SIGTERM is kept for the first step's save: `watch_signals`). SIGALRM, main thread only
-    (where the stages render); elsewhere, no limit."""
+def render_time_limit(where):
+    """A chat template's rendering stopped after TEMPLATE_SECONDS with one line naming `where`
+    (the model folder, or the row): nested `range` loops in a crafted tokenizer_config.json hung
+    the start, and a signal could not end it (SIGTERM is kept for the first step's save:
+    `watch_signals`). A SystemExit, which the `except Exception` around renders that may fail on
+    purpose (a template that needs variables) does not take for the template's own refusal.
+    SIGALRM, main thread only (where the stages render; elsewhere, no limit); a timer already
+    running (a harness's) is put back with what was left of it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def expire(signum, frame):
-        raise TemplateTimeout(f"still rendering after {TEMPLATE_SECONDS} s: a loop without end?")
+        raise SystemExit(
+            f"error: {where}: the chat template is still rendering after {TEMPLATE_SECONDS} s "
+            "(a loop without end?)"
+        )
 
+    start = time.monotonic()
     previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, TEMPLATE_SECONDS)
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, TEMPLATE_SECONDS)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+        if previous is None:  # a handler set from C, which Python cannot name: the default
+            previous = signal.SIG_DFL
         signal.signal(signal.SIGALRM, previous)
+        if outer > 0:
+            left = outer - (time.monotonic() - start)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 1e-6))
 
 
-def render_user_turn(tok, chat_template=None, **variables):
+def render_user_turn(tok, where, chat_template=None, **variables):
     """The text `tok`'s chat template (or `chat_template`, a template's text) makes of one user
     turn and the generation prompt, with the template's `variables`: what the checks of a
-    template at load compare."""
+    template at load compare. `where`: the model folder, named if the rendering never ends."""
     user = [{"role": "user", "content": "1+1="}]
-    with render_time_limit():
+    with render_time_limit(where):
         return tok.apply_chat_template(
             user,
             chat_template=chat_template,
@@ -1914,7 +1922,7 @@ def check_chat_template(tok, path, flag):
     if not tok.chat_template:
         return
     try:
-        text = render_user_turn(tok, **CHAT_TEMPLATE_KWARGS)
+        text = render_user_turn(tok, f"{flag} {path}", **CHAT_TEMPLATE_KWARGS)
     except Exception as e:
         raise SystemExit(
             f"error: {flag} {path}: its chat template fails on a user turn "
@@ -1930,7 +1938,7 @@ def check_chat_template(tok, path, flag):
         plain = set()
         for body in bodies:
             try:
-                plain.add(render_user_turn(tok, body))
+                plain.add(render_user_turn(tok, f"{flag} {path}", body))
             except Exception:  # a template that needs them: they change what it renders
                 plain.add(None)
         if plain == {text}:
@@ -2009,12 +2017,12 @@ def with_template_defaults(tok, body, variables, path):
     # and indentation alike
     template = DEFAULTS_OPEN + record + " #}" + "".join(sets) + DEFAULTS_CLOSE + body
     try:
-        want = render_user_turn(tok, body, **variables)
+        want = render_user_turn(tok, path, body, **variables)
     except Exception:  # a named template that needs more than a user turn (tools): unchecked
         return template
     why = "it renders a user turn otherwise than the variables given"
     try:
-        got = render_user_turn(tok, template)
+        got = render_user_turn(tok, path, template)
     except Exception as e:  # jinja's TemplateSyntaxError: `{% set none = ... %}`
         got = None
         why = checkpoint.describe(e)

@@ -301,8 +301,7 @@ def build_reward_model(args):
     # The export's pad id, for plain transformers' batched scoring; ours reads the mask.
     model.config.pad_token_id = tok.pad_token_id
     # A reward model trained further carries the statistics of its old scores: dropped, so that
-    # an export before the last step has none (PPO then uses the raw score, as the README says)
-    # rather than another model's.
+    # nothing saved carries another model's (each save records this model's: `main`).
     for key in ("reward_mean", "reward_std"):
         if hasattr(model.config, key):
             delattr(model.config, key)
