@@ -44,6 +44,7 @@ import typing
 import warnings
 import zlib
 
+import huggingface_hub.utils.logging
 import numpy as np
 import safetensors
 import tokenizers
@@ -1616,6 +1617,8 @@ def load_error(path, e, flag="--model"):
         detail = f"{detail} {lines[1]}"
     if not isinstance(e, (OSError, ValueError)):  # a crafted file's TypeError, KeyError, ...
         detail = f"{type(e).__name__}: {detail}"
+    if not os.path.exists(path):  # 'sftchat': a Hub id, or a folder missing from here
+        detail = f"{detail}; no folder {path} in {os.getcwd()}, so it was read as a Hub id"
     return f"error: {flag} {path}: cannot load ({detail})"
 
 
@@ -2565,6 +2568,8 @@ def quiet_console(verbose):
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when rollout.py imports vLLM
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    # the Hub client's retries of an unreachable Hub (a --model typo read as a Hub id, offline)
+    huggingface_hub.utils.logging.set_verbosity_error()
     logging.getLogger("torch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
 

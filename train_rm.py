@@ -127,16 +127,18 @@ def encode_pairs(tok, rows, max_len, margin=0.0):
     model reads the whole sequence, so the prompt's length is not kept. A pair's margin is its
     row's "margin" field (`pair_margin`), else `margin` (--margin)."""
     pairs = []
+    given = "margin" in common.given_flags()  # --margin 0 spelt out is a margin given too
     for where, row in rows:
         (chosen, _), (rejected, _) = common.encode_pair(tok, row, max_len, where)
-        pairs.append(Pair(chosen, rejected, pair_margin(where, row, margin)))
+        pairs.append(Pair(chosen, rejected, pair_margin(where, row, margin, given)))
     return pairs
 
 
-def pair_margin(where, row, margin):
+def pair_margin(where, row, margin, given=False):
     """A row's own "margin" (TRL's reward data may carry one per pair, as Llama 2's margin by
     preference strength), a number float32 holds (negative too, as TRL takes it); else
-    --margin's. Both at once is one line: which one was meant cannot be told."""
+    --margin's. Both at once (`given`: --margin on the command line, 0 too) is one line: which
+    one was meant cannot be told."""
     if "margin" not in row:
         return margin
     value = common.finite_number(row["margin"])
@@ -145,7 +147,7 @@ def pair_margin(where, row, margin):
             f"error: {where}: field 'margin': expected a number finite in float32, got "
             f"{row['margin']!r:.100}"
         )
-    if margin != 0:
+    if margin != 0 or given:
         raise SystemExit(f"error: {where}: a 'margin' field beside --margin {margin}; give one")
     return value
 
@@ -170,6 +172,20 @@ def init_reward_head(head, seed):
 
 
 # ---- the phases --------------------------------------------------------------------------------
+def check_pairs_flag(args):
+    """--pairs_per_prompt makes the embedded task's pairs; a --data file's are its own. Given with
+    --data (spelt out at its default too) it did nothing, silently, yet a resume without it was
+    refused as another run's."""
+    default = Args().pairs_per_prompt
+    if args.data and (
+        args.pairs_per_prompt != default or "pairs_per_prompt" in common.given_flags()
+    ):
+        raise SystemExit(
+            f"error: --pairs_per_prompt {args.pairs_per_prompt}: makes the embedded task's pairs; "
+            f"--data {args.data} gives its own"
+        )
+
+
 def load_data(args, tok, max_len):
     """(training pairs, held-out pairs), each [Pair]."""
     if args.data:
@@ -343,6 +359,7 @@ def main(args):
     rank, world, device = common.init_distributed(args.seed, args.timeout_minutes)
     common.make_local_dir(args)
     common.check_batch_sizes(args, world)
+    check_pairs_flag(args)
     per_rank = args.train_batch_size // world
     metrics_log = common.MetricsLog(common.local_dir(args), args.tensorboard, args.out_dir)
 

@@ -2,6 +2,7 @@
 loss, encoding), PPO's score normalisation, and the embedded preference pairs (task.make_pairs)."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -47,9 +48,10 @@ def test_bradley_terry_loss_by_hand():
     assert got.item() == pytest.approx(want, rel=1e-6)
 
 
-def test_a_margin_per_pair_from_the_data():
+def test_a_margin_per_pair_from_the_data(monkeypatch):
     """TRL's reward data may carry a "margin" per pair (Llama 2's, by preference strength): the
-    pair's margin in the loss; --margin for pairs without one; never both; a number."""
+    pair's margin in the loss; --margin for pairs without one; never both (--margin 0 spelt out
+    too: `common.given_flags`); a number."""
     from transformers import AutoTokenizer
 
     # per pair: the differences 1 and -1 less margins 1 and 0: 0 and -1
@@ -69,6 +71,22 @@ def test_a_margin_per_pair_from_the_data():
         with pytest.raises(SystemExit, match=r"^error: d:1: field 'margin': expected a number fin"):
             train_rm.encode_pairs(tok, [("d:1", {**row, "margin": bad})], 64)
     assert train_rm.encode_pairs(tok, [("d:1", {**row, "margin": -1})], 64)[0].margin == -1.0
+    monkeypatch.setattr(sys, "argv", ["train_rm.py", "--margin", "0"])
+    with pytest.raises(SystemExit, match=r"^error: d:1: a 'margin' field beside --margin 0.0"):
+        train_rm.encode_pairs(tok, rows, 64, 0.0)
+
+
+def test_pairs_per_prompt_is_the_embedded_tasks_only(monkeypatch):
+    """--pairs_per_prompt makes the embedded pairs: with --data it did nothing, silently, and a
+    resume without it was refused as another run's. Refused beside --data, at its default too."""
+    monkeypatch.setattr(sys, "argv", ["train_rm.py"])
+    train_rm.check_pairs_flag(train_rm.Args(pairs_per_prompt=2))
+    train_rm.check_pairs_flag(train_rm.Args(data="d.jsonl"))
+    with pytest.raises(SystemExit, match=r"^error: --pairs_per_prompt 2: makes the embedded"):
+        train_rm.check_pairs_flag(train_rm.Args(data="d.jsonl", pairs_per_prompt=2))
+    monkeypatch.setattr(sys, "argv", ["train_rm.py", "--pairs_per_prompt=4"])
+    with pytest.raises(SystemExit, match=r"--data d.jsonl gives its own$"):
+        train_rm.check_pairs_flag(train_rm.Args(data="d.jsonl"))
 
 
 def test_micro_batches_add_up_to_the_global_mean():
