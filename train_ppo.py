@@ -830,6 +830,10 @@ def check_reward_flags(args):
         )
     # Imported now, and compared between the ranks: a node with another copy of the rule's file
     # would pay its samples by another rule
+    if "," in args.gold_reward_fn:  # (--reward_fn's list has no gold counterpart)
+        raise SystemExit(
+            f"error: --gold_reward_fn {args.gold_reward_fn}: expected one module:function"
+        )
     if args.gold_reward_fn:
         gold = functools.partial(load_rule, args.gold_reward_fn, "--gold_reward_fn")
         common.import_on_every_rank(f"--gold_reward_fn {args.gold_reward_fn}", gold)

@@ -379,6 +379,10 @@ def test_a_reward_flag_of_the_reward_not_in_use_is_refused(flags, needle, monkey
         (dict(reward_fn="task:rewardfn"), "--reward_fn task:rewardfn: expected module:function"),
         (dict(reward_fn="task:TINY_MODEL"), "--reward_fn task:TINY_MODEL: a str, not a function"),
         (dict(reward_model="rm", gold_reward_fn="task:f"), "--gold_reward_fn task:f: expected"),
+        (
+            dict(reward_model="rm", gold_reward_fn="task:reward_fn,task:reward_fn"),
+            "--gold_reward_fn task:reward_fn,task:reward_fn: expected one module:function",
+        ),
         (dict(reward_fn="task:reward_fn,"), "--reward_fn task:reward_fn,: an empty entry"),
         (dict(reward_fn="task:f, task:f"), "--reward_fn task:f, task:f: task:f named twice"),
         (dict(reward_fn="task:reward_fn,task:rewardfn"), "--reward_fn task:rewardfn: expected"),
