@@ -1016,6 +1016,12 @@ def field_hint(row, field):
             ": a {'text'} row is plain language modelling, which no stage here does (each "
             "learns from responses to prompts)"
         )
+    strings = isinstance(row.get("chosen"), str) and isinstance(row.get("rejected"), str)
+    if field == "prompt" and "prompt" not in row and strings:  # TRL's implicit prompt, as text
+        return (
+            ": an implicit prompt is split from conversations only (chosen and rejected as lists "
+            "of messages sharing every turn but the last); with text, give the 'prompt' apart"
+        )
     if field == "prompt":
         return ' (or a conversation: a list of {"role", "content"} messages)'
     if field in RESPONSE_FIELDS and isinstance(row.get(field), dict):  # a message, not a list

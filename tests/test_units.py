@@ -450,7 +450,11 @@ def test_an_implicit_prompt_pair_is_split_as_trl_splits_it(tmp_path):
             r"p.jsonl:1: field 'rejected': a response given as messages is one assistant",
         ),
         ({"chosen": [user("1"), 2], "rejected": []}, r"field 'chosen', message 1: expected a"),
-        ({"chosen": "2", "rejected": "3"}, r"p.jsonl:1: expected a string field 'prompt'"),
+        (
+            # TRL's implicit prompt in its text form: said so, not "a conversation" as the hint
+            {"chosen": "1+1=2", "rejected": "1+1=3"},
+            r"p.jsonl:1: expected a string field 'prompt': an implicit prompt is split from conv",
+        ),
     ):
         (tmp_path / "p.jsonl").write_text(json.dumps(row) + "\n")
         with pytest.raises(SystemExit, match=line):
