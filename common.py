@@ -278,6 +278,12 @@ def parse_args(cls, limits):
 COMPARISONS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
 
+def flag_given(args, name):
+    """Whether --name was given: named on the command line (its default spelt out too:
+    `given_flags`), or set apart from its default (an `Args` built in code)."""
+    return getattr(args, name) != getattr(type(args)(), name) or name in given_flags()
+
+
 def no_constant(name):
     """json.loads' parse_constant: NaN, Infinity and -Infinity are Python's, not JSON's."""
     raise ValueError(f"{name} is no JSON value")

@@ -808,10 +808,8 @@ def check_reward_flags(args):
             f"error: --gold_reward_fn {args.gold_reward_fn} is logged beside --reward_model's "
             "score: give --reward_model too (without one, --reward_fn is the reward)"
         )
-    defaults = Args()
     # a flag spelt out at its default is the user's too: it would be as silently ignored
-    given = common.given_flags()
-    if args.reward_model and (args.reward_fn != defaults.reward_fn or "reward_fn" in given):
+    if args.reward_model and common.flag_given(args, "reward_fn"):
         raise SystemExit(
             f"error: --reward_fn {args.reward_fn} is not used with --reward_model, whose score "
             "is the reward: to log a rule beside it, give it as --gold_reward_fn"
@@ -821,9 +819,7 @@ def check_reward_flags(args):
             f"error: --reward_weights {args.reward_weights} weigh --reward_fn rules, and "
             "--reward_model's score is the reward"
         )
-    if not args.reward_model and (
-        args.reward_norm != defaults.reward_norm or "reward_norm" in given
-    ):
+    if not args.reward_model and common.flag_given(args, "reward_norm"):
         raise SystemExit(
             "error: --reward_norm applies to --reward_model's score only; the --reward_fn rule "
             "is used as it returns"

@@ -176,10 +176,7 @@ def check_pairs_flag(args):
     """--pairs_per_prompt makes the embedded task's pairs; a --data file's are its own. Given with
     --data (spelt out at its default too) it did nothing, silently, yet a resume without it was
     refused as another run's."""
-    default = Args().pairs_per_prompt
-    if args.data and (
-        args.pairs_per_prompt != default or "pairs_per_prompt" in common.given_flags()
-    ):
+    if args.data and common.flag_given(args, "pairs_per_prompt"):
         raise SystemExit(
             f"error: --pairs_per_prompt {args.pairs_per_prompt}: makes the embedded task's pairs; "
             f"--data {args.data} gives its own"
