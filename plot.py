@@ -50,6 +50,14 @@ def read_rows(path):
 
 
 def main(run_dir, out=None):
+    if "://" in run_dir:
+        # A run on an object store appends its logs to a local folder and copies them up
+        # (`common.local_dir`); that folder holds the newest lines, so plot reads it, not the store.
+        local = os.path.join("runs", "store", run_dir.split("://", 1)[1])
+        sys.exit(
+            f"error: {run_dir}: plot reads a local folder; a run on an object store writes its "
+            f"metrics.jsonl to its --local_dir (default {local}): plot that"
+        )
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         sys.exit(f"error: {path}: no such file (expected a run's --out_dir)")

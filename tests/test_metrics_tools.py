@@ -32,6 +32,13 @@ def test_tensorboard_events_match_metrics_jsonl_and_plot_draws_them(tmp_path):
     missing = tmp_path / "nothing-here" / "metrics.jsonl"
     expected = f"error: {missing}: no such file (expected a run's --out_dir)"
     assert p.returncode != 0 and p.stderr.strip() == expected
+    # a store run's --out_dir: its logs are local, at --local_dir (said, not guessed at silently)
+    p = run_py("plot.py", "s3://bucket/run")
+    expected = (
+        "error: s3://bucket/run: plot reads a local folder; a run on an object store writes its "
+        "metrics.jsonl to its --local_dir (default runs/store/bucket/run): plot that"
+    )
+    assert p.returncode == 1 and p.stderr.strip() == expected, p.stderr
 
 
 def test_plot_help_and_crafted_metrics_lines_are_one_line(tmp_path):
