@@ -1144,32 +1144,64 @@ def load_pairs(path):
 
 def check_pair_row(where, row):
     """A preference pair's row: {"prompt", "chosen", "rejected"}, each checked as load_jsonl
-    checks a field; without a "prompt", "chosen" and "rejected" as whole conversations are split
-    first (`split_implicit_prompt`)."""
-    implicit = isinstance(row, dict) and "prompt" not in row
-    if implicit and isinstance(row.get("chosen"), list) and isinstance(row.get("rejected"), list):
+    checks a field; "chosen" and "rejected" as whole conversations are split first, without a
+    "prompt" (`split_implicit_prompt`) or beside one they repeat (`split_repeated_prompt`)."""
+    conversations = (
+        isinstance(row, dict)
+        and isinstance(row.get("chosen"), list)
+        and isinstance(row.get("rejected"), list)
+    )
+    if conversations and "prompt" not in row:
         split_implicit_prompt(where, row)
+    elif conversations and max(len(row["chosen"]), len(row["rejected"])) > 1:
+        split_repeated_prompt(where, row)
     check_fields(("prompt", "chosen", "rejected"), where, row)
 
 
-def split_implicit_prompt(where, row):
+def split_implicit_prompt(where, row, why="no 'prompt', and"):
     """TRL's implicit-prompt preference rows (its `maybe_extract_prompt`): "chosen" and
     "rejected" are whole conversations that share every turn but their last, an assistant
     turn. The shared turns become the prompt, the last turns the responses (checked then as
     any: `check_conversation`, `assistant_content`). Conversations that part earlier would make
-    responses of several turns, which a response here is not: one line."""
+    responses of several turns, which a response here is not: one line, `why` first."""
     chosen = row["chosen"]
     rejected = row["rejected"]
     check_messages(where, chosen, "chosen")
     check_messages(where, rejected, "rejected")
     if len(chosen) < 2 or len(chosen) != len(rejected) or chosen[:-1] != rejected[:-1]:
         raise SystemExit(
-            f"error: {where}: no 'prompt', and 'chosen' and 'rejected' are not conversations "
+            f"error: {where}: {why} 'chosen' and 'rejected' are not conversations "
             "that share every turn but their last (TRL's implicit prompt); give a 'prompt'"
         )
     row["prompt"] = chosen[:-1]
     row["chosen"] = chosen[-1:]
     row["rejected"] = rejected[-1:]
+
+
+def split_repeated_prompt(where, row):
+    """Rows in the shape of UltraFeedback-binarized (HuggingFaceH4's, and many "binarized" sets
+    after it): a "prompt" beside "chosen" and "rejected" that are whole conversations, the prompt
+    repeated in both as their last shared turn. They are split as an implicit prompt
+    (`split_implicit_prompt`), the shared turns the prompt, once the "prompt" is seen to be what
+    they share: its text as their last shared turn, a user's, or the same list of messages (a
+    prompt of that one turn stays the text). Anything else is one line: which of the two to
+    train on would be a guess."""
+    prompt = row.pop("prompt")
+    why = "'prompt' is given beside whole conversations (UltraFeedback-binarized's shape), and"
+    split_implicit_prompt(where, row, why)
+    shared = row["prompt"]  # [M], every turn but the responses
+    last = shared[-1]
+    repeated = isinstance(prompt, str) and last["role"] == "user" and last["content"] == prompt
+    if not repeated and prompt != shared:
+        raise SystemExit(
+            f"error: {where}: 'prompt' is given beside whole conversations "
+            "(UltraFeedback-binarized's shape), and it is not the turns they share (expected "
+            "their last shared turn, a user's, to be the prompt's text); give the prompt once"
+        )
+    if shared == [{"role": "user", "content": prompt}]:
+        row["prompt"] = (
+            prompt  # the text itself: the same rendering, and a model without a template
+        )
 
 
 def load_examples(path, tok, max_len):

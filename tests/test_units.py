@@ -461,6 +461,73 @@ def test_an_implicit_prompt_pair_is_split_as_trl_splits_it(tmp_path):
             common.load_pairs(str(tmp_path / "p.jsonl"))
 
 
+def test_ultrafeedback_binarized_rows_split_at_the_prompt_they_repeat(tmp_path):
+    """UltraFeedback-binarized's rows (HuggingFaceH4's): a "prompt" beside "chosen" and
+    "rejected" that are whole conversations repeating it. Split as an implicit prompt once the
+    prompt is seen to be their shared turns (a lone user turn stays the text; a system turn
+    before it keeps the conversation); a prompt they do not share, or conversations that part
+    earlier, are one line each (they were refused as "a response ... is one assistant")."""
+    system = {"role": "system", "content": "Add."}
+    rows = [
+        {
+            "prompt": "1+2=",
+            "chosen": [user("1+2="), assistant("3")],
+            "rejected": [user("1+2="), assistant("4")],
+            "score_chosen": 8.0,
+        },
+        {
+            "prompt": "1+2=",
+            "chosen": [system, user("1+2="), assistant("3")],
+            "rejected": [system, user("1+2="), assistant("4")],
+        },
+        {
+            "prompt": [system, user("1+2=")],
+            "chosen": [system, user("1+2="), assistant("3")],
+            "rejected": [system, user("1+2="), assistant("4")],
+        },
+        # TRL's explicit conversational rows, one assistant turn each: as they were
+        {"prompt": [user("1+1=")], "chosen": [assistant("2")], "rejected": [assistant("3")]},
+    ]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    loaded = [row for _, row in common.load_pairs(str(tmp_path / "p.jsonl"))]
+    assert loaded == [
+        {"prompt": "1+2=", "chosen": "3", "rejected": "4", "score_chosen": 8.0},
+        {"prompt": [system, user("1+2=")], "chosen": "3", "rejected": "4"},
+        {"prompt": [system, user("1+2=")], "chosen": "3", "rejected": "4"},
+        {"prompt": [user("1+1=")], "chosen": "2", "rejected": "3"},
+    ]
+    shape = r"'prompt' is given beside whole conversations \(UltraFeedback-binarized's shape\), and"
+    for row, line in (
+        (
+            {
+                "prompt": "2+2=",
+                "chosen": [user("1+2="), assistant("3")],
+                "rejected": [user("1+2="), assistant("4")],
+            },
+            rf"p.jsonl:1: {shape} it is not the turns they share \(expected",
+        ),
+        (
+            {
+                "prompt": [user("1+2=")],
+                "chosen": [system, user("1+2="), assistant("3")],
+                "rejected": [system, user("1+2="), assistant("4")],
+            },
+            rf"p.jsonl:1: {shape} it is not the turns they share",
+        ),
+        (
+            {
+                "prompt": "1",
+                "chosen": [user("1"), assistant("2"), user("3"), assistant("4")],
+                "rejected": [user("1"), assistant("5"), user("3"), assistant("4")],
+            },
+            rf"p.jsonl:1: {shape} 'chosen' and 'rejected' are not conversations that share",
+        ),
+    ):
+        (tmp_path / "p.jsonl").write_text(json.dumps(row) + "\n")
+        with pytest.raises(SystemExit, match=line):
+            common.load_pairs(str(tmp_path / "p.jsonl"))
+
+
 def test_a_bad_row_is_named_before_a_later_one():
     """Rows are checked as they are read: the first bad line is the one named (the SFT rows'
     check once ran after the whole file was parsed, naming a later malformed line first)."""
