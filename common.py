@@ -1790,12 +1790,17 @@ def check_config_values(config, path, flag, prefix=""):
     dropout probability outside [0, 1] (`attention_dropout: 5.0` was a traceback at the first
     forward), a RoPE base that is not positive (`rope_theta: -1` made NaN angles, blamed on --lr at
     the first step), a negative normalisation epsilon. Walks nested configs (a VLM's text_config,
-    per-layer-type rope_parameters); the types are transformers' to check (its strict fields)."""
+    per-layer-type rope_parameters, a list of per-block configs); the types are transformers' to
+    check (its strict fields)."""
     for raw_key, value in config.items():
         key = str(raw_key)  # id2label's keys are numbers
         name = f"{prefix}{key}"
         if isinstance(value, dict):
             check_config_values(value, path, flag, prefix=f"{name}.")
+            continue
+        if isinstance(value, list):  # a hybrid model's per-block configs: their numbers too
+            parts = {f"{i}": item for i, item in enumerate(value) if isinstance(item, dict)}
+            check_config_values(parts, path, flag, prefix=f"{name}.")
             continue
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             continue

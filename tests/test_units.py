@@ -461,6 +461,21 @@ def test_an_implicit_prompt_pair_is_split_as_trl_splits_it(tmp_path):
             common.load_pairs(str(tmp_path / "p.jsonl"))
 
 
+def test_config_values_are_checked_in_nested_configs_and_lists_of_them():
+    """`common.check_config_values` walks a VLM's text_config and a hybrid model's list of
+    per-block configs (a dropout of 5 there was passed over); strings and numbers in lists are
+    left to transformers."""
+    good = {"text_config": {"attention_dropout": 0.1}, "blocks": [{"eps": 1e-5}, "mamba", 3]}
+    common.check_config_values(good, "m", "--model")
+    for config, line in (
+        ({"text_config": {"rope_theta": 0}}, "text_config.rope_theta 0, expected a positive"),
+        ({"blocks": ["x", {"attn_pdrop": 5}]}, "blocks.1.attn_pdrop 5, expected a probability"),
+        ({"blocks": [{"norm": {"layer_norm_eps": -1}}]}, "blocks.0.norm.layer_norm_eps -1, exp"),
+    ):
+        with pytest.raises(SystemExit, match=rf"^error: --model m: config.json: {line}"):
+            common.check_config_values(config, "m", "--model")
+
+
 def test_ultrafeedback_binarized_rows_split_at_the_prompt_they_repeat(tmp_path):
     """UltraFeedback-binarized's rows (HuggingFaceH4's): a "prompt" beside "chosen" and
     "rejected" that are whole conversations repeating it. Split as an implicit prompt once the
