@@ -522,7 +522,8 @@ class InverseCDFSampler:
     the token's logprob under the sampling distribution (temperature and top-p applied: what
     vLLM's processed_logprobs are), one [N] per step, never generate's [N, T, V] output_scores.
 
-    Temperature 0 is greedy: the argmax, its logprob under the untempered softmax."""
+    Temperature 0 is greedy: the argmax, its logprob under the untempered softmax (top-p
+    renormalised, when top_p < 1)."""
 
     def __init__(self, row_seeds, max_new_tokens, temperature, top_p):
         self.temperature = temperature

@@ -80,6 +80,9 @@ class Args(common.RunArgs):
     """actor learning rate (AdamW, eps 1e-5 [37 core #3], linear decay to 0 [N general #5])"""
     critic_lr: float = 1e-3
     """critic learning rate"""
+    weight_decay: float = 0.01
+    """AdamW's decoupled weight decay, actor and critic: torch's default, which every measured run
+    here used ([37 core #3] and TRL's PPO use none: 0)"""
     warmup_steps: int = 0
     """iterations over which both learning rates rise linearly from 0 before their decay (the
     first iteration's rate is 0: it only fills AdamW's moments); a fresh AdamW's first steps move
@@ -91,7 +94,7 @@ class Args(common.RunArgs):
     critic)"""
     scale_rewards: typing.Literal["group", "batch", "none"] = "group"
     """grpo only: what a group's centred scores are divided by: group, the group's std (Shao et
-    al. 2024, eq. 3); batch, the whole batch's std (Liu et al. 2025, "Tricks or Traps"); none,
+    al. 2024, sec. 4.1.2); batch, the whole batch's std (Liu et al. 2025, "Tricks or Traps"); none,
     nothing (Dr. GRPO, Liu et al. 2025). As TRL's scale_rewards"""
     gamma: float = 1.0
     """GAE discount [N policy #6]"""
@@ -156,8 +159,8 @@ class Args(common.RunArgs):
     than this on average (rollout/logprob_diff_mean): the policy trained is not the one sampled.
     0: 1e-3 on CPU (both in fp32: a right engine agrees to ~1e-7), 0.05 on GPU (bf16)"""
     eval_every: int = 25
-    """greedy-decode the held-out prompts (and log sample rows) every this many iterations, and at
-    the ends"""
+    """greedy-decode the held-out prompts every this many iterations and at both ends; sample rows
+    (samples.jsonl) at the same iterations but step 0, and the last"""
     eval_samples: int = 256
     """held-out prompts per evaluation"""
     offload_frozen: bool = False
@@ -178,6 +181,7 @@ LIMITS = {
     "ppo_epochs": ">= 1",
     "lr": ">= 0",
     "critic_lr": ">= 0",
+    "weight_decay": ">= 0",
     "warmup_steps": ">= 0",
     "max_grad_norm": "> 0",
     "gamma": ">= 0, <= 1",
@@ -202,8 +206,10 @@ LIMITS = {
 
 
 # ---- the math, as in the papers ----------------------------------------------------------------
-# B: responses on this rank, R: the longest response's length. Every [B, R] tensor is zero past a
-# response's end (`mask`), and every mean over tokens divides by the count of real tokens.
+# B: responses on this rank, R: the longest response's length. The [B, R] tensors a phase keeps
+# (old and reference logprobs, values, rewards, advantages, returns) are zero past a response's
+# end (`mask`); a forward's own outputs (`logprobs_of`, `values_of`, the ratio) are not, so every
+# mean over tokens multiplies by `mask` and divides by the count of real tokens.
 def masked_mean(x, mask, n=None):
     """Mean of x over mask == 1 (x, mask [B, R] -> a scalar); n: the count to divide by, when it
     spans more than this tensor (the global batch's tokens)."""
@@ -307,10 +313,11 @@ def sequence_rewards(scores, kl, kl_coef):
 
 def group_advantages(scores, kind, scale="group", batch_std=None):
     """Critic-free baselines over each prompt's n samples, scores [G, n] -> advantages [G, n].
-    grpo: (s - mean) / (std + 1e-4) of the group (Shao et al. 2024, eq. 3, outcome supervision);
+    grpo: (s - mean) / (std + 1e-4) of the group (Shao et al. 2024, sec. 4.1.2, outcome
+    supervision: the advantage of every token of the response in eq. 3's objective);
     the std unbiased (n - 1), as TRL's (OpenRLHF adds 1e-9): at n = 2, scores {1, 0} give
     +-0.707, not the +-1 a biased std gives. `scale` (--scale_rewards, as TRL's scale_rewards)
-    says which std: "group", each group's own (eq. 3); "batch", one std of the whole batch's
+    says which std: "group", each group's own (sec. 4.1.2); "batch", one std of the whole batch's
     scores, `batch_std` (these G * n when not given) (Liu et al. 2025, "Tricks or Traps", arXiv
     2508.08221: the group's mean, the batch's std; a group whose samples nearly agree has a std
     near 0, and dividing by it magnifies their small differences, a learned reward's noise among
@@ -547,9 +554,9 @@ def build_models(args, device):
     if args.reward_model:
         load_reward_model(args, models)
         place_model(models.reward_model, args, device, trained=False)
-    roles = {"actor": (actor, adamw(actor, args.lr))}
+    roles = {"actor": (actor, adamw(actor, args.lr, args.weight_decay))}
     if models.critic is not None:
-        roles["critic"] = (models.critic, adamw(models.critic, args.critic_lr))
+        roles["critic"] = (models.critic, adamw(models.critic, args.critic_lr, args.weight_decay))
     return models, tok, roles
 
 
@@ -636,10 +643,12 @@ def logprob_diff_threshold(flag, device):
     return 0.05
 
 
-def adamw(model, lr):
-    """AdamW with eps 1e-5 [37 core #3]. fused: its element-wise math in one kernel for all
-    parameters, on CPU and CUDA (README: Benchmarks)."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-5, fused=True)
+def adamw(model, lr, weight_decay):
+    """AdamW with eps 1e-5 [37 core #3] and --weight_decay. fused: its element-wise math in one
+    kernel for all parameters, on CPU and CUDA (README: Benchmarks)."""
+    return torch.optim.AdamW(
+        model.parameters(), lr=lr, eps=1e-5, weight_decay=weight_decay, fused=True
+    )
 
 
 def reward_normalisation(config, where):
