@@ -317,8 +317,9 @@ def parse_chat_template_kwargs(text):
 
 # The chat template's extra variables (--chat_template_kwargs), the same for every prompt of a
 # run: set once from the flags (`run`) before anything renders. A setting of the process, like the
-# console's: every rendering goes through `render_prompt` (and the two checks of a template),
-# and a constant threaded through each stage's encoders would say no more.
+# console's: every rendering goes through `render_prompt` (and the two checks of a template, and
+# `_response_end_id`'s assistant turn), and a constant threaded through each stage's encoders
+# would say no more.
 CHAT_TEMPLATE_KWARGS = {}
 # The variables an earlier stage recorded in --model's template as its defaults
 # (`record_template_kwargs`): every prompt renders with them where the flag gives no other value
@@ -726,7 +727,8 @@ def folder_identity(path, flag="--model"):
 class MetricsLog:
     """<out_dir>/metrics.jsonl, one {"step": ..., "<group>/<name>": ...} per line (rank 0 writes);
     with --tensorboard, the numbers also go to TensorBoard event files in <out_dir>/tensorboard/.
-    Both files are opened as regular files only, never through a symlink (checkpoint.open_regular).
+    metrics.jsonl and samples.jsonl (train_ppo.py) are opened as regular files only, never through
+    a symlink (checkpoint.open_regular); the event files are TensorBoard's SummaryWriter's own.
     """
 
     def __init__(self, out_dir, tensorboard=False, store=""):
@@ -1286,9 +1288,11 @@ def turn_examples(where, messages, tok, max_len):
     prompt) and its content as the response. Each turn is learned in the context it is generated
     in, on its own tokens only (like TRL's `assistant_only_loss`, with no {% generation %}
     markers needed in the template); a dialogue's early turns are encoded again for each later
-    one, so its cost grows with the square of its turns. The last turn's example holds all the
-    others, and one too long for the context is refused before the prefixes are made (each a
-    list as long as the turns before it: 8,000 short exchanges took 0.8 GB before this check)."""
+    one, so its cost grows with the square of its turns. The last turn's example holds the others
+    where the template renders history as given (Qwen3's drops earlier reasoning: an earlier
+    example may be the longer, and is refused when it is encoded), and one too long for the
+    context is refused before the prefixes are made (each a list as long as the turns before it:
+    8,000 short exchanges took 0.8 GB before this check)."""
     last = len(messages) - 1
     prompt = messages[:last]
     check_fits(tok, prompt_content(tok, prompt, where) + messages[last]["content"], max_len, where)
@@ -1753,6 +1757,7 @@ def _load_model_and_tokenizer(path, cls, attn_implementation, new_head, flag, kw
     attention = attention_implementation(path, attn_implementation, flag)
     if attention is not None:
         kwargs["attn_implementation"] = attention
+    check_architectures(config, path, flag)
     check_num_labels(path, config, kwargs.get("num_labels"), flag)
     model, info = load_weights(path, classifier_class(config, cls), kwargs, flag)
     model.fresh_head = check_all_loaded(path, info["missing_keys"], new_head, flag)
@@ -2122,12 +2127,13 @@ def check_generation_config(path, model, flag):
     if problems:
         raise SystemExit(f"{where}: {problems}, and every checkpoint with it; fix the file")
     ids = generation_config.eos_token_id
+    if ids is None:  # none given: the tokenizer's EOS is the stop (`stop_token_ids`)
+        return
     if not isinstance(ids, list):
         ids = [ids]
     rows = model.get_input_embeddings().num_embeddings
     for token_id in ids:
-        if token_id is None:
-            continue
+        # (a null inside a list is no id either: it became a stop id, or failed in a sort)
         if type(token_id) is not int or not 0 <= token_id < rows:
             raise SystemExit(
                 f"{where}: eos_token_id {token_id!r} is no token of the model "
@@ -2159,6 +2165,19 @@ def check_special_tokens_known(tok, path, flag):
             f"{tok.convert_tokens_to_ids(token)}) the model never trained; name a token "
             "tokenizer.json holds"
         )
+
+
+def check_architectures(config, path, flag):
+    """config.json's "architectures" is a list of class names, or absent: transformers keeps a
+    5 or a [null] as it is, and the checks that read it (`check_num_labels`) failed on it in a
+    traceback."""
+    names = config.architectures
+    if names is None or (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        return
+    raise SystemExit(
+        f"error: {flag} {path}: config.json: architectures {names!r:.60}, expected a list of "
+        "class names"
+    )
 
 
 def check_num_labels(path, config, num_labels, flag):
@@ -2376,7 +2395,9 @@ def _response_end_id(tok, chat_template, kwargs_key):
         {"role": "assistant", "content": RESPONSE_MARK},
     ]
     try:
-        text = tok.apply_chat_template(messages, tokenize=False, **CHAT_TEMPLATE_KWARGS)
+        # (check_chat_template tried a user turn only: a template may loop on an assistant's)
+        with render_time_limit(f"{tok.name_or_path}: an assistant turn"):
+            text = tok.apply_chat_template(messages, tokenize=False, **CHAT_TEMPLATE_KWARGS)
     except Exception:  # jinja's TemplateError: a template that renders no assistant turn
         return tok.eos_token_id
     if RESPONSE_MARK not in text:
@@ -2595,7 +2616,7 @@ def collective_failure(e):
     if c10d:
         collective = c10d[-1]
     where = f"{os.path.basename(call_site.filename)}:{call_site.lineno}"
-    first_line = str(e).splitlines()[0]
+    first_line = (str(e).splitlines() or [type(e).__name__])[0]  # (a DistError may say nothing)
     return (
         f"error: rank {os.environ.get('RANK', 0)}: collective {collective} (in {ops[0].name}, "
         f"called at {where}) failed: {first_line} (peer dead or hung?)"

@@ -858,6 +858,20 @@ def an_unused_weight(tensors):
         ),
         (edit_json("config.json", {"num_attention_heads": 0}), "cannot load (ZeroDivisionError"),
         (edit_json("generation_config.json", "[]"), "cannot load (TypeError"),
+        (
+            # a null among the ids: it became a stop id, or a TypeError sorting them
+            edit_json("generation_config.json", {"eos_token_id": [None, 2]}),
+            "eos_token_id None is no token of the model",
+        ),
+        # transformers keeps both as they are: the reward model's check failed on them
+        (
+            edit_json("config.json", {"architectures": 5}),
+            "config.json: architectures 5, expected a list of class names",
+        ),
+        (
+            edit_json("config.json", {"architectures": [None]}),
+            "config.json: architectures [None], expected a list of class names",
+        ),
         (edit_json("generation_config.json", "{"), "generation_config.json: cannot load"),
         (edit_json("tokenizer_config.json", "[1]"), "cannot load (AttributeError"),
         (edit_json("tokenizer.json", '{"a": 1}'), "cannot load (KeyError"),
@@ -906,6 +920,9 @@ def an_unused_weight(tensors):
         "model-max-length-text",
         "zero-heads",
         "generation-config-a-list",
+        "eos-a-null-in-a-list",
+        "architectures-a-number",
+        "architectures-a-null",
         "generation-config-cut",
         "tokenizer-config-a-list",
         "tokenizer-json-other",
@@ -1111,6 +1128,16 @@ def test_a_chat_template_that_never_ends_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as exit_info:
         common.render_prompt(tok, "x", "d.jsonl:2", tokenize=False)
     assert exit_info.value.code.startswith("error: d.jsonl:2: the chat template is still")
+    # one that loops on an assistant turn only, which the stop id's rendering asks for
+    tok.chat_template = (
+        "{% for m in messages %}{% if m.role == 'assistant' %}" + ENDLESS + "{% endif %}"
+        "{% endfor %}ok"
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        common.response_end_id(tok)
+    assert exit_info.value.code.startswith(
+        f"error: {task.TINY_MODEL}: an assistant turn: the chat template is still rendering"
+    )
     assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL  # the handler before, restored
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
     # a timer already running (a harness's) goes on with what was left of it
