@@ -1234,6 +1234,10 @@ def commit():
     # All ranks' shards written (and hashed), then rank 0 commits; a failure on any rank stops both.
     if not _agree(wait_for_writes, tmp, name, on_error):
         return None
+    if objstore.is_url(root):
+        # an async save's writes ended after another run took the folder over: its shards are
+        # there, but no manifest, `latest` or pruning of the other run's checkpoints
+        _check_lock_kept(os.path.dirname(root))
     shares = [None] * dist.get_world_size()
     dist.all_gather_object(shares, own)  # rank 0 writes the manifest: every rank's hashes to it
     for share in shares:

@@ -389,18 +389,26 @@ def remove_object(url):
 
 def _release(url, run_id):
     """Delete the lock if it is still this run's (a killed process never gets here: its lock is
-    taken over as stale)."""
-    try:
-        holder = _lock_holder(url)
-        if holder is not None and holder.get("run") == run_id:
-            remove_object(url)
-    except Exception:  # noqa: BLE001 - exiting anyway; the lease frees it later
-        pass
+    taken over as stale). Under _heartbeat_mutex, and marked released first: a heartbeat that
+    ran just after the deletion wrote the lock anew (a lock it found gone), and another run
+    waited out a whole lease for a run that had ended."""
+    with _heartbeat_mutex:
+        _released.add(url)
+        try:
+            holder = _lock_holder(url)
+            if holder is not None and holder.get("run") == run_id:
+                remove_object(url)
+        except Exception:  # noqa: BLE001 - exiting anyway; the lease frees it later
+            pass
 
 
 # lock URL -> the holder found in this run's place: another run took the lock over, this one
 # having gone LEASE_S without a renewal (a stalled or suspended process); `lock_lost` reads it
 _lost = {}
+# the lock URLs this process has let go of (`_release`), and the mutex that keeps a heartbeat
+# and the release from interleaving
+_released = set()
+_heartbeat_mutex = threading.Lock()
 
 
 def _renew(url, body):
@@ -414,7 +422,16 @@ def _renew(url, body):
 
 def renew_once(url, body):
     """One heartbeat; False once the lock is another run's. Rewriting it then (as it once did)
-    would take it back from a run that took it over as stale, and both would write the folder."""
+    would take it back from a run that took it over as stale, and both would write the folder.
+    False too once this process has released it (`_release`)."""
+    with _heartbeat_mutex:
+        if url in _released:
+            return False
+        return _renew_held(url, body)
+
+
+def _renew_held(url, body):
+    """renew_once's work, under the mutex."""
     try:
         holder = _lock_holder(url)
         # None: gone (written anew below); {}: no run's (crafted, garbled): taken back as well

@@ -480,6 +480,22 @@ def test_a_heartbeat_that_finds_another_run_in_its_lock_stops():
     assert objstore.lock_lost(url) == theirs
 
 
+def test_a_heartbeat_after_the_release_does_not_take_the_lock_again():
+    """A clean exit deletes the lock (`objstore._release`, atexit); a heartbeat running just
+    after found it gone and wrote it anew, and the next run waited out a whole lease. Now the
+    heartbeat stops once the lock is released."""
+    import objstore
+
+    url = "memory://plainrlhf-locks/released"
+    fs, path = objstore.fs_of(url)
+    objstore.take_lock(url, "mine")
+    body = {"run": "mine", **objstore.pid_space(), "pid": os.getpid()}
+    objstore._release(f"{url}/.lock", "mine")
+    assert not fs.exists(f"{path}/.lock")
+    assert not objstore.renew_once(f"{url}/.lock", body)
+    assert not fs.exists(f"{path}/.lock")
+
+
 def test_a_lock_that_cannot_be_read_is_not_taken_over(monkeypatch):
     """The store failing on the lock's GET (a timeout, a 503) is no sign the holder is gone: the
     run stops with one line, and the live run's lock stays (it was deleted and taken over)."""

@@ -444,6 +444,32 @@ def test_a_run_whose_lock_was_taken_over_saves_nothing(store, tmp_path, monkeypa
     assert not fs.exists(f"{BUCKET}/taken-over")
 
 
+def test_an_async_save_in_flight_is_not_committed_once_the_lock_is_lost(
+    store, tmp_path, monkeypatch, one_rank
+):
+    """An --async_save in flight when another run takes the lock over: its shards are written,
+    but its commit (the manifest, `latest`, pruning the other run's checkpoints) stops the run.
+    `checkpoint.commit` went ahead: only a new save checked the lock."""
+    import torch
+
+    import checkpoint
+    import objstore
+
+    fs, _ = store
+    out = f"s3://{BUCKET}/async-taken-over"
+    monkeypatch.setitem(checkpoint._run, "id", "stalled2")
+    model = torch.nn.Linear(2, 2)
+    roles = {"model": (model, torch.optim.AdamW(model.parameters()))}
+    meta = {"args": {}}
+    assert checkpoint.save(out, 1, roles, meta, (), keep_last=2, async_save=True) is None
+    monkeypatch.setitem(objstore._lost, f"{out}/.lock", {"run": "theirs"})
+    with pytest.raises(checkpoint.CheckpointError, match="another run took this run's lock over"):
+        checkpoint.commit()
+    fs.invalidate_cache()
+    assert not fs.exists(f"{BUCKET}/async-taken-over/checkpoints/latest")
+    assert not fs.glob(f"{BUCKET}/async-taken-over/checkpoints/**/manifest.json")
+
+
 def two_steps_on_store(fs, tmp_path, run):
     """s3://BUCKET/<run>/checkpoints with conftest's small checkpoints as step-1 and step-2, and
     `latest` naming step-2; returns that checkpoints URL."""
