@@ -56,7 +56,10 @@ from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -178,6 +181,7 @@ def _check_storage(metadata, folder, sizes=None):
     where = os.path.join(folder, ".metadata")
     if type(metadata) is not Metadata or type(metadata.storage_data) is not dict:
         raise CheckpointError(f"{where}: not DCP metadata")
+    _check_entries(metadata, where)
     listed = sizes
     sizes = {}
     for index, info in metadata.storage_data.items():
@@ -199,6 +203,51 @@ def _check_storage(metadata, folder, sizes=None):
                 f"{where}: storage entry {fqn!r} reads bytes {offset!r}+{length!r} of {name}, "
                 f"which holds {sizes[name]}"
             )
+
+
+def _check_entries(metadata, where):
+    """Every entry of the state's index is what DCP writes: bytes, or a tensor's properties (a
+    dtype), global size and chunks. A pickle can make an allow-listed object without its BUILD
+    (no attributes at all) or BUILD it with values of other types: DCP's planner then failed in
+    an AttributeError or TypeError traceback, past the one line of a damaged checkpoint."""
+    entries = getattr(metadata, "state_dict_metadata", None)
+    if type(entries) is not dict:
+        raise CheckpointError(f"{where}: not DCP metadata (no index of the state)")
+    for key, entry in entries.items():
+        if type(entry) is not BytesStorageMetadata and not _is_tensor_entry(entry):
+            raise CheckpointError(
+                f"{where}: entry {key!r:.80} is not what DCP writes for a tensor or bytes"
+            )
+
+
+def _is_tensor_entry(entry):
+    """A TensorStorageMetadata as DCP makes one: a dtype, a size, chunks of that many dims."""
+    if type(entry) is not TensorStorageMetadata:
+        return False
+    properties = getattr(entry, "properties", None)
+    size = getattr(entry, "size", None)
+    chunks = getattr(entry, "chunks", None)
+    if type(properties) is not TensorProperties:
+        return False
+    if not isinstance(getattr(properties, "dtype", None), torch.dtype):
+        return False
+    if not _is_shape(size) or type(chunks) is not list:
+        return False
+    for chunk in chunks:
+        if type(chunk) is not ChunkStorageMetadata:
+            return False
+        offsets = getattr(chunk, "offsets", None)
+        sizes = getattr(chunk, "sizes", None)
+        if not (
+            _is_shape(offsets) and _is_shape(sizes) and len(offsets) == len(sizes) == len(size)
+        ):
+            return False
+    return True
+
+
+def _is_shape(value):
+    """A tensor's shape, or a chunk's offsets: a torch.Size (or tuple) of counts."""
+    return isinstance(value, tuple) and all(_is_count(n) for n in value)
 
 
 def _storage_size(folder, name, where):

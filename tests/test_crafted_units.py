@@ -311,6 +311,38 @@ def test_a_malformed_dcp_metadata_is_one_line_and_fails_verification(tmp_path, d
     assert_cli_refuses(tmp_path, "dcp/.metadata: ")
 
 
+def no_build(entry):
+    """The entry as a pickle can make it: the class's object with no BUILD, no attributes."""
+    return type(entry).__new__(type(entry))
+
+
+def chunk_of_other_dims(entry):
+    entry.chunks[0].offsets = torch.Size([0, 0])
+    return entry
+
+
+def size_of_text(entry):
+    entry.size = "4"
+    return entry
+
+
+@pytest.mark.parametrize("craft", [no_build, chunk_of_other_dims, size_of_text])
+def test_a_dcp_index_entry_not_as_dcp_writes_it_fails_verification(tmp_path, craft):
+    """The allow-listed classes of .metadata's index, made without their BUILD (a NEWOBJ alone)
+    or built with values of other types, passed verify() and failed in DCP's planner with an
+    AttributeError traceback, which --resume latest did not pass over. One line now
+    (`checkpoint._check_entries`), at verify."""
+    write_small_checkpoint(tmp_path)
+    path = tmp_path / "dcp" / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    metadata.state_dict_metadata["t"] = craft(metadata.state_dict_metadata["t"])
+    path.write_bytes(pickle.dumps(metadata))
+    remanifest(tmp_path)
+    needle = "dcp/.metadata: entry 't' is not what DCP writes for a tensor or bytes"
+    with pytest.raises(checkpoint.CheckpointError, match=needle):
+        checkpoint.verify(str(tmp_path))
+
+
 @pytest.mark.parametrize("name", ["meta.json", "manifest.json"])
 def test_deeply_nested_json_is_one_line(tmp_path, name):
     write_small_checkpoint(tmp_path)
