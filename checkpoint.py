@@ -376,15 +376,23 @@ def _check_stored(key, value, stored):
         )
 
 
-def dcp_load(state, path, no_dist=False, sizes=None):
-    """dcp.load, minus its two unpickling holes and its reads outside the checkpoint; fills
-    `state` in place. On a store, `sizes`: the manifest's {name in dcp/: size}."""
+def metadata_reader(path, sizes=None):
+    """DCP's reader of the checkpoint's dcp/ folder `path`, its .metadata read and checked. On a
+    store, `sizes`: the manifest's {name in dcp/: size}."""
     reader = _SafeReader(path)
     if objstore.is_url(path):
         reader = _SafeStoreReader(path, sizes)
     # A refused .metadata raises here, as itself: inside dcp.load, DCP would log its traceback,
     # retry it as "rank-local metadata", and wrap the error in a CheckpointException.
     reader.read_metadata()
+    return reader
+
+
+def dcp_load(state, path, no_dist=False, sizes=None, reader=None):
+    """dcp.load, minus its two unpickling holes and its reads outside the checkpoint; fills
+    `state` in place. reader: `metadata_reader`'s of `path` (made here when not given)."""
+    if reader is None:
+        reader = metadata_reader(path, sizes)
     try:
         dcp.load(state, storage_reader=reader, planner=_SafePlanner(), no_dist=no_dist)
     except CheckpointException as e:  # every rank's (DCP gathers the plans' failures)
@@ -1854,16 +1862,9 @@ def _same_settings(path, saved_args, args, must_match):
     _note_regrouped(path, saved_args, args)
 
 
-def load(path, roles, args, must_match, frozen=None, folders=None, identity=None):
-    """Collective: every role's model and optimizer in place, then this rank's RNG (so call it
-    after anything that draws from the RNG: engines, iterators); returns meta.json.
-    identity: `common.run_identity` of this run, {"stage", "data"}: the script that saved the
-    checkpoint and the sha256 of its --data, which must be this run's (`_same_stage`,
-    `_same_data`).
-    frozen: {flag: common.weights_fingerprint} of the frozen models this run loaded from the
-    folders those flags name, checked against the run's start (the same on every rank).
-    folders: {flag: common.folder_identity} of every folder this run loaded a model from, checked
-    the same way (config, generation config, tokenizer)."""
+def _checked_reads(path, args, must_match, frozen, folders, identity):
+    """`load`'s checks of the checkpoint against this run, and its reads before DCP's: (meta.json,
+    the DCP reader with .metadata read, this rank's RNG state)."""
     meta = read_meta(path)  # resolve() verified the whole checkpoint already
     if identity:  # a stage's run (a bench or a test may load without)
         _same_stage(path, meta, identity["stage"])
@@ -1879,8 +1880,52 @@ def load(path, roles, args, must_match, frozen=None, folders=None, identity=None
             f"{path} is at step {meta['step']}, past --max_steps {args['max_steps']}: nothing to "
             "train; give a --max_steps of at least that to go on"
         )
+    reader = metadata_reader(os.path.join(path, "dcp"), _dcp_sizes(path))
+    rank_file = f"rng-rank{dist.get_rank() % meta['world_size']}.json"
+    rng = _read_json(os.path.join(path, rank_file))  # read_meta checked it
+    return meta, reader, rng
+
+
+def _on_every_rank(fn):
+    """Collective: fn()'s result on every rank, or, where it failed on any rank, a line on every
+    rank. The checks and reads before a load's collectives fail alike on every rank, but for a
+    read that fails on one rank only (a store erring once, a disk's I/O error): the others waited
+    in DCP's collectives until --timeout_minutes."""
+    error = None
+    result = None
+    try:
+        result = fn()
+    except (CheckpointError, OSError, objstore.StoreError) as e:
+        error = e
+    lines = [None] * dist.get_world_size()
+    line = None
+    if isinstance(error, CheckpointError):
+        line = str(error)  # a line of its own already
+    elif error is not None:
+        line = describe(error)
+    dist.all_gather_object(lines, line)  # every rank stops, or none
+    if error is not None and len(set(lines)) == 1:  # every rank failed alike: its own error
+        raise error
+    failed = [(rank, line) for rank, line in enumerate(lines) if line]
+    if failed:
+        raise CheckpointError(f"rank {failed[0][0]}: {failed[0][1]}")
+    return result
+
+
+def load(path, roles, args, must_match, frozen=None, folders=None, identity=None):
+    """Collective: every role's model and optimizer in place, then this rank's RNG (so call it
+    after anything that draws from the RNG: engines, iterators); returns meta.json.
+    identity: `common.run_identity` of this run, {"stage", "data"}: the script that saved the
+    checkpoint and the sha256 of its --data, which must be this run's (`_same_stage`,
+    `_same_data`).
+    frozen: {flag: common.weights_fingerprint} of the frozen models this run loaded from the
+    folders those flags name, checked against the run's start (the same on every rank).
+    folders: {flag: common.folder_identity} of every folder this run loaded a model from, checked
+    the same way (config, generation config, tokenizer)."""
+    checks = functools.partial(_checked_reads, path, args, must_match, frozen, folders, identity)
+    meta, reader, rng = _on_every_rank(checks)
     state = _state(roles)
-    dcp_load(state, os.path.join(path, "dcp"), sizes=_dcp_sizes(path))
+    dcp_load(state, os.path.join(path, "dcp"), reader=reader)
     for role, (model, optim) in roles.items():
         flags = _hyperparameters(optim)
         set_state_dict(
@@ -1893,8 +1938,7 @@ def load(path, roles, args, must_match, frozen=None, folders=None, identity=None
         # flags (--weight_decay, ...) again; the rate is the scheduler's (restore_scheduler)
         for group, own in zip(optim.param_groups, flags):
             group.update(own)
-    rank_file = f"rng-rank{dist.get_rank() % meta['world_size']}.json"
-    set_rng_state(_read_json(os.path.join(path, rank_file)))  # read_meta checked it
+    set_rng_state(rng)
     if meta["world_size"] != dist.get_world_size() and dist.get_rank() == 0:
         # exact only at the same world size
         print(

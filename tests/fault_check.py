@@ -132,6 +132,23 @@ def main(out):
         raise AssertionError("a checkpoint past --max_steps was loaded")
     except checkpoint.CheckpointError as e:
         assert "is at step 4, past --max_steps 3" in str(e), e
+    # A read before DCP's that fails on rank 1 only (a disk's I/O error, a store erring once)
+    # stops both ranks with rank 1's line: rank 0 waited in DCP's collectives until the timeout.
+    real_read_json = checkpoint._read_json
+
+    def rng_read_fails_on_rank_1(where):
+        if rank == 1 and "rng-rank" in where:
+            raise OSError(errno.EIO, "Input/output error", where)
+        return real_read_json(where)
+
+    checkpoint._read_json = rng_read_fails_on_rank_1
+    try:
+        checkpoint.load(step_4, {"model": (model, optim)}, {"max_steps": 4}, [])
+        raise AssertionError("a load that failed on rank 1 went on")
+    except checkpoint.CheckpointError as e:
+        line = str(e)
+        assert line.startswith("rank 1: ") and "missing or unreadable (Input/output" in line, e
+    checkpoint._read_json = real_read_json
 
     # 5. boundary(): a signal on one rank makes every rank save and stop; the clock is rank 0's.
     assert checkpoint.boundary(7, 100, 0, rank == 1, device) == (True, True)
