@@ -314,14 +314,15 @@ class _WholeObjectStreams(FsspecFileSystem):
 
 
 def _store_call(fn, *args):
-    """fn(*args) against the store; a refusal or an unreachable store is one CheckpointError."""
+    """fn(*args) against the store; a refusal or an unreachable store is one CheckpointError. (An
+    OSError of a local file, `objstore.download`'s, is not the store's: it goes up as it is.)"""
     try:
         return fn(*args)
     except FileNotFoundError as e:
         raise CheckpointError(f"{args[0]}: missing ({e})")
     except objstore.TooLarge as e:  # the store answered: what it holds is wrong
         raise CheckpointError(str(e))
-    except (OSError, objstore.StoreError) as e:
+    except objstore.StoreError as e:  # (the client's errors, OSErrors too: `_translated`)
         raise StoreUnreachable(f"{args[0]}: {describe(e)}")
 
 

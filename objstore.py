@@ -214,15 +214,16 @@ def is_step_name(name):
     return name.startswith("step-") and digits.isascii() and digits.isdigit()
 
 
-@_translated
 def download(url, files, local):
     """The listed objects {relative path: size} under url/ into the local folder, each read no
-    further than its size."""
+    further than its size. The store's errors are StoreErrors (`read_bytes`); the local folder's
+    (a full disk) stay OSErrors naming the file: they said the store did not answer."""
     for rel, size in files.items():
+        data = read_bytes(os.path.join(url, rel), size)
         target = os.path.join(local, rel)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         with open(target, "xb") as f:
-            f.write(read_bytes(os.path.join(url, rel), size))
+            f.write(data)
 
 
 @_translated

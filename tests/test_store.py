@@ -470,6 +470,29 @@ def test_an_async_save_in_flight_is_not_committed_once_the_lock_is_lost(
     assert not fs.glob(f"{BUCKET}/async-taken-over/checkpoints/**/manifest.json")
 
 
+def test_a_full_local_disk_while_downloading_is_not_the_store_failing(store, tmp_path, monkeypatch):
+    """An export from a store downloads hf/ into a local scratch folder; a full local disk there
+    was reported as the store not answering (`checkpoint.StoreUnreachable`, "the store did not
+    answer"). It is the local file's OSError now, named as such."""
+    import errno
+
+    import checkpoint
+    import objstore
+
+    fs, _ = store
+    fs.pipe_file(f"{BUCKET}/scratch/hf/config.json", b"{}")
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(objstore, "open", full_disk, raising=False)
+    url = f"s3://{BUCKET}/scratch/hf"
+    with pytest.raises(OSError) as info:
+        checkpoint._store_call(objstore.download, url, {"config.json": 2}, str(tmp_path / "hf"))
+    assert info.value.errno == errno.ENOSPC and info.value.filename.endswith("hf/config.json")
+    assert not isinstance(info.value, checkpoint.CheckpointError)
+
+
 def two_steps_on_store(fs, tmp_path, run):
     """s3://BUCKET/<run>/checkpoints with conftest's small checkpoints as step-1 and step-2, and
     `latest` naming step-2; returns that checkpoints URL."""
