@@ -1,11 +1,12 @@
 """Atomic, rank-coordinated, full-state checkpoints: the only code that touches training state on
 disk.
 
-The commit protocol (README, "Checkpoints"): all ranks write `.tmp-step-N/` (with --async_save, in
-the background) and hash the files they wrote; once every rank has succeeded, rank 0 writes the
-sha256 manifest, fsyncs, renames the folder `step-N/` and os.replace()s `latest`. A kill or a
-failed write at any moment leaves the previous checkpoint latest. Resume verifies the manifest
-first (every rank hashing a share of the files) and falls back to an older checkpoint.
+The commit protocol (README, "Checkpoints"): all ranks write `.tmp-step-N-<run id>/` (with
+--async_save, in the background) and hash the files they wrote; once every rank has succeeded,
+rank 0 writes the sha256 manifest, fsyncs, renames the folder `step-N/` and os.replace()s
+`latest`. A kill or a failed write at any moment leaves the previous checkpoint latest. Resume
+verifies the manifest first (locally every rank hashing a share of the files; on a store rank 0
+alone) and falls back to an older checkpoint.
 
 Safety (README, "Checkpoints": the threat model): DCP's own loader unpickles `.metadata` with a
 plain `pickle.load` and byte entries with `torch.load(weights_only=False)`; `dcp_load` closes both
@@ -506,7 +507,8 @@ def open_regular(path, mode="r"):
     """open(path, mode) for a regular file only: a symlink (at the last component) is never
     followed, and a FIFO or device is refused before it is read (O_NONBLOCK: opening a FIFO does
     not wait for a writer). Modes: r, rb, a (append or create), x (create; the name must be free).
-    CheckpointError for anything but a regular file; OSError (e.g. FileNotFoundError) as open's."""
+    CheckpointError for anything but a regular file; OSError (e.g. FileNotFoundError) as open's,
+    and ENXIO's for a FIFO without a reader opened to write (a or x)."""
     flags = _MODES[mode] | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(path, flags, 0o644)
@@ -608,8 +610,9 @@ def _own_files(tmp):
 
 
 def _hash_own_files(tmp):
-    """{relative path: {size, sha256}} of this rank's own files, read right after it wrote them
-    (from the page cache), so that every rank hashes its share at once, not rank 0 all of it."""
+    """{relative path: {size, sha256}} of this rank's own files, read once they are written (a
+    blocking save: right after, from the page cache; an async one: at its commit, some steps
+    later), so that every rank hashes its share at once, not rank 0 all of it."""
     files = {}
     for rel in _own_files(tmp):
         size, digest = _sha256(os.path.join(tmp, rel))
@@ -618,7 +621,8 @@ def _hash_own_files(tmp):
 
 
 def _step_dirs(root):
-    """(committed checkpoints' names, newest first; the name `latest` points at, or None)."""
+    """(step-N names, newest first: locally the committed ones, on a store committed or not (a
+    manifest says which); the name `latest` points at, or None)."""
     names = []
     if objstore.is_url(root):
         names = _store_call(objstore.step_names, root)
@@ -2390,7 +2394,7 @@ def _verify_each(ckpts):
     for ckpt in ckpts:
         try:
             print(f"{ckpt}: ok, step {verify(ckpt)['step']}", flush=True)
-        # a store out of reach is no verdict on the rest: it stops here, as before
+        # each its own line, whatever failed (a store out of reach: each says so)
         except (CheckpointError, OSError) as err:
             print(one_line(f"error: {err}"), file=sys.stderr, flush=True)
             failed = True

@@ -10,7 +10,8 @@ save: never resumed from, deleted by the next run under the run lock. Deleting a
 manifest first, so a half-deleted step is an unfinished one, never a damaged committed one.
 
 Every path here is a URL; fsspec picks the client (s3:// -> s3fs, an optional dependency).
-Objects are read no further than a size known in advance (the manifest's, or a small cap)."""
+A checkpoint's objects are read no further than a size known in advance (the manifest's, or a
+small cap); the run's own logs (`get_file`: metrics.jsonl on a resume) are read whole."""
 
 import atexit
 import functools
@@ -22,7 +23,8 @@ import socket
 import threading
 import time
 
-# A JSON object read before its size is known (manifest.json, latest, the lock): at most this.
+# A JSON object read before its size is known (manifest.json, the lock): at most this (`latest`,
+# a step name, is read no further than 64 bytes).
 SMALL_CAP = 16 << 20
 # The run lock's lease: a live run rewrites its lock every LEASE_S / 4; another run takes over a
 # lock older than LEASE_S (a run killed on another machine), or one whose process is gone on
@@ -228,7 +230,8 @@ def download(url, files, local):
 
 @_translated
 def upload_folder(url, local):
-    """Every file below the local folder to url/ (e.g. the final hf/ export)."""
+    """Every file below the local folder to url/ (a save's hf/, tensorboard/; the final export
+    goes up through `upload_export`)."""
     fs, path = fs_of(url)
     for folder, _, names in os.walk(local):
         for name in names:
