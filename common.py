@@ -2168,10 +2168,12 @@ def check_special_tokens_known(tok, path, flag):
 
 
 def check_architectures(config, path, flag):
-    """config.json's "architectures" is a list of class names, or absent: transformers keeps a
-    5 or a [null] as it is, and the checks that read it (`check_num_labels`) failed on it in a
-    traceback."""
+    """config.json's "architectures" is a list of class names, one name, or absent: transformers
+    keeps a 5 or a [null] as it is, and the checks that read it (`check_num_labels`) failed on it
+    in a traceback."""
     names = config.architectures
+    if isinstance(names, str):
+        names = [names]  # (a hand-written config's one name: taken, as transformers takes it)
     if names is None or (isinstance(names, list) and all(isinstance(n, str) for n in names)):
         return
     raise SystemExit(
@@ -2184,6 +2186,8 @@ def check_num_labels(path, config, num_labels, flag):
     """A classifier folder asked for as a reward model must have its one output: transformers
     would otherwise fail on the head's shape (a 2-label sentiment classifier, say)."""
     architectures = config.architectures or []
+    if isinstance(architectures, str):  # one name (`check_architectures`)
+        architectures = [architectures]
     kinds = ("ForSequenceClassification", "ForTokenClassification")
     is_classifier = any(name.endswith(kinds) for name in architectures)
     if num_labels is None or not is_classifier or config.num_labels == num_labels:

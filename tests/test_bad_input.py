@@ -869,6 +869,10 @@ def an_unused_weight(tensors):
             "config.json: architectures 5, expected a list of class names",
         ),
         (
+            edit_json("config.json", {"architectures": ["LlamaForCausalLM", 5]}),
+            "config.json: architectures ['LlamaForCausalLM', 5], expected a list of class names",
+        ),
+        (
             edit_json("config.json", {"architectures": [None]}),
             "config.json: architectures [None], expected a list of class names",
         ),
@@ -922,6 +926,7 @@ def an_unused_weight(tensors):
         "generation-config-a-list",
         "eos-a-null-in-a-list",
         "architectures-a-number",
+        "architectures-a-number-in-a-list",
         "architectures-a-null",
         "generation-config-cut",
         "tokenizer-config-a-list",
