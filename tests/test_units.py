@@ -868,8 +868,12 @@ def test_inverse_cdf_sampler_draws_the_distribution_and_its_seeds():
     tokens = sampler(None, probs.log().expand(n, 4)).argmax(-1)
     frequencies = torch.bincount(tokens, minlength=4) / n
     assert (frequencies - probs).abs().max() < 0.015 and frequencies[2] == 0, frequencies
-    alone = rollout.InverseCDFSampler([7], 1, 1.0, 1.0)
-    assert alone(None, probs.log()[None]).argmax(-1)[0] == tokens[7]
+    # a row's draws are its own seed's, whatever rows are beside it: 20 rows drawn again in
+    # another batch (one row alone would match a sampler that ignores its seed by chance, 46%)
+    rows = [7, 123, 4567, 19999, *range(300, 316)]
+    again = rollout.InverseCDFSampler(rows, 1, 1.0, 1.0)
+    drawn = again(None, probs.log().expand(len(rows), 4)).argmax(-1)
+    assert torch.equal(drawn, tokens[rows]) and len(set(drawn.tolist())) > 1, drawn
 
 
 def test_every_small_file_of_a_save_is_fsynced(tmp_path, fsynced):
