@@ -224,9 +224,11 @@ def test_a_crafted_scheduler_state_is_refused(change):
     crafted one crashed mid-run with a traceback, or set any attribute it liked."""
     sched = scheduler()
     state = json.loads(json.dumps(sched.state_dict()))
-    with pytest.raises(checkpoint.CheckpointError, match="meta.json"):
+    field = r"^ckpt/meta.json: (scheduler field '\w+' is |the scheduler state is not a LambdaLR's)"
+    with pytest.raises(checkpoint.CheckpointError, match=field):
         checkpoint.restore_scheduler(sched, {**state, **change}, "ckpt/meta.json")
-    with pytest.raises(checkpoint.CheckpointError, match="meta.json"):
+    not_a_state = r"^ckpt/meta.json: the scheduler state is not a LambdaLR's$"
+    with pytest.raises(checkpoint.CheckpointError, match=not_a_state):
         checkpoint.restore_scheduler(sched, [state], "ckpt/meta.json")
 
 
@@ -727,9 +729,10 @@ def test_a_store_save_missing_a_ranks_objects_is_not_committed(tmp_path):
     ids=["no-offset", "no-build"],
 )
 def test_a_storage_entry_missing_its_fields_is_one_line(tmp_path, kept):
-    """A storage entry the pickle made without its offset (a BUILD that leaves a field out, or no
-    BUILD at all) passed the BUILD check and failed as an AttributeError traceback in
-    `_check_storage`: `verify` and `--resume latest`'s fallback never saw a damaged checkpoint."""
+    """A storage entry the pickle builds without its offset (a BUILD that leaves a field out, or
+    that sets none) passed the BUILD check and failed as an AttributeError traceback in
+    `_check_storage`: `verify` and `--resume latest`'s fallback never saw a damaged checkpoint.
+    (An entry made with no BUILD at all is `_check_storage`'s own: its getattr.)"""
     write_small_checkpoint(tmp_path)
     path = tmp_path / "dcp" / ".metadata"
     md = pickle.loads(path.read_bytes())  # our own file, just written
@@ -738,9 +741,10 @@ def test_a_storage_entry_missing_its_fields_is_one_line(tmp_path, kept):
             del vars(info)[key]
     path.write_bytes(pickle.dumps(md))
     remanifest(tmp_path)
-    with pytest.raises(checkpoint.CheckpointError):
+    refused = "refusing to unpickle: BUILD sets dict state on _StorageInfo"
+    with pytest.raises(checkpoint.CheckpointError, match=refused):
         checkpoint.verify(str(tmp_path))
-    assert_cli_refuses(tmp_path, "")
+    assert_cli_refuses(tmp_path, refused)
 
 
 def test_an_oversized_json_file_is_refused_unread(tmp_path):
@@ -1007,7 +1011,9 @@ def test_a_crafted_dcp_entry_is_one_line(tmp_path, sft_checkpoint, command, edit
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 1 and len(lines) == 1, p.stderr[-2000:]
     assert lines[0].startswith(f"error: {ckpt}: {needle}"), lines
-    assert not (tmp_path / "hf").exists()
+    assert not (tmp_path / "hf").exists()  # the export's
+    assert not (tmp_path / "run" / "hf").exists()  # a resume's: it trained and exported nothing
+    assert not (tmp_path / "run" / "checkpoints" / "step-00000002").exists()
 
 
 def test_an_export_prints_its_one_line(tmp_path, sft_checkpoint):
