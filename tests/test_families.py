@@ -509,6 +509,24 @@ def test_reward_model_of_another_family(tmp_path):
     scores = [row["objective/score"] for row in rows if "objective/score" in row]
     assert len(scores) == 2 and all(abs(s) < 100 for s in scores), scores
     assert scores[0] != 0.0, scores  # a random head: a score, and not a constant
+    # each logged sample's score is GPT-2's of its own tokens of the text (the policy's ids are
+    # in GPT-2's range too here: scored by mistake, they gave other finite numbers)
+    from transformers import AutoTokenizer
+
+    import train_ppo
+
+    gpt2_tok = AutoTokenizer.from_pretrained(reward_dir)
+    samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
+    assert samples
+    for sample in samples:
+        options = []
+        for ended in (False, True):  # (whether it ended at EOS is not logged: both are tried)
+            ids = train_ppo.reward_model_inputs(
+                gpt2_tok, [sample["prompt"]], [sample["response"]], [ended]
+            )[0]
+            with torch.no_grad():
+                options.append(reward_model(torch.tensor([ids])).logits[0, 0].item())
+        assert min(abs(sample["score"] - s) for s in options) < 1e-4, (sample, options)
 
 
 @pytest.fixture(scope="module")

@@ -307,6 +307,19 @@ def test_reward_model_reads_its_own_tokens_at_the_last_real_token(tmp_path):
         ]
     assert torch.allclose(batched, torch.tensor(want), atol=1e-5)
     assert torch.allclose(batched, torch.cat(alone), atol=1e-5)
+    # phase (2), `score`, wires them up: these scores, normalised with the config's statistics
+    # unless --reward_norm false (the unit tests of normalised_scores alone did not see it)
+    args = types.SimpleNamespace(reward_model=str(tmp_path), micro_batch_size=8)
+    models = types.SimpleNamespace(reward_model=model, reward_tokenizer=tok, reward_context=1024)
+    rows = [{"prompt": "1+2="}, {"prompt": "10+20="}]
+    responses = [tok("3").input_ids, tok("30 and more").input_ids]
+    with torch.no_grad():
+        models.reward_norm = None
+        raw, _ = ppo.score(args, tok, models, rows, responses, [True, False], "cpu")
+        models.reward_norm = (0.5, 2.0)
+        normalised, _ = ppo.score(args, tok, models, rows, responses, [True, False], "cpu")
+    assert torch.allclose(raw, batched, atol=1e-6), (raw, batched)
+    assert torch.allclose(normalised, (batched - 0.5) / 2.0, atol=1e-6), normalised
 
 
 def test_old_logprobs_from_the_update_change_nothing():
