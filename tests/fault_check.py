@@ -150,6 +150,11 @@ def main(out):
         assert line.startswith("rank 1: ") and "missing or unreadable (Input/output" in line, e
     checkpoint._read_json = real_read_json
 
+    # Evaluation shares (`common.eval_share`): every rank as many items, the short ones padded
+    # with copies of the first that are not counted, so each item counts once.
+    assert common.eval_share(list("abc")) == [(["a", "c"], 2), (["b", "a"], 1)][rank]
+    assert common.eval_share(["a"]) == [(["a"], 1), (["a"], 0)][rank]
+
     # 5. boundary(): a signal on one rank makes every rank save and stop; the clock is rank 0's.
     assert checkpoint.boundary(7, 100, 0, rank == 1, device) == (True, True)
     assert checkpoint.boundary(7, 100, 0, False, device) == (False, False)

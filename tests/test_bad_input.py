@@ -584,7 +584,8 @@ def test_eval_set_smaller_than_the_world_size(tmp_path):
     args += ("--rollout_batch_size", 4, "--n_samples_per_prompt", 2, "--train_batch_size", 8)
     run("train_ppo.py", *args, "--micro_batch_size", 4, "--eval_samples", 1)
     accuracies = [row["eval/accuracy"] for row in metrics(ppo)]
-    # one example counted once: right or wrong (a counted padding copy would give 0.5)
+    # one example: right or wrong (no division by zero; that a padding copy is not counted is
+    # tests/fault_check.py's check of `common.eval_share` on 2 ranks: a copy scores the same)
     assert len(accuracies) == 2 and all(a in (0.0, 1.0) for a in accuracies), accuracies
 
 
