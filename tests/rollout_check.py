@@ -45,7 +45,8 @@ def main(path):
     task.ensure_tiny_model()
     attention = common.attention_implementation(path, "auto")
     model, tok = common.load_model_and_tokenizer(path, AutoModelForCausalLM, attention)
-    stop_ids = common.stop_token_ids(tok, GenerationConfig.from_pretrained(path))
+    generation_config = GenerationConfig.from_pretrained(path)
+    stop_ids = common.stop_token_ids(tok, generation_config)
     vl = rollout.build_engine("vllm", path, 64, 0, stop_ids)
     hf = rollout.build_engine("hf", path, 64, 0, stop_ids, attn_implementation=attention)
     # the HF engine as it is on a GPU (`rollout.hf_engine_dtype`), its weights in bf16
@@ -115,15 +116,19 @@ def main(path):
     # tolerance of 1e-3 still sits well below a stale engine's difference (asserted > 1e-2 above).
     assert d < 1e-3, f"after sync: logprob difference {d}"
 
-    # 5. EOS: make EOS likely; responses stop right after it, `finished` says so, engines agree.
+    # 5. A stop: make the last of the stop ids likely (with several, as Qwen2-Instruct's two, not
+    # the tokenizer's EOS); responses stop right after it, `finished` says so, engines agree.
     actor.reshard()
+    boosted = stop_ids[-1]
+    if isinstance(generation_config.eos_token_id, list):  # the folder's own, not our reading of it
+        boosted = generation_config.eos_token_id[-1]
     with torch.no_grad():
         head = actor.get_output_embeddings().weight  # with a tied head: the embedding too
         local = head.to_local()
         # Shard(0): rank r holds rows from here
         start = rank * ((head.shape[0] + world - 1) // world)
-        if 0 <= tok.eos_token_id - start < local.shape[0]:
-            local[tok.eos_token_id - start] *= 20.0
+        if 0 <= boosted - start < local.shape[0]:
+            local[boosted - start] *= 20.0
     rollout.sync_weights(vl, actor)
     rollout.sync_weights(hf, actor)
     g_vl, g_hf = (e.generate(prompts, 1, NEW, 0.0, 1.0, seeds) for e in (vl, hf))
@@ -132,9 +137,10 @@ def main(path):
     s_hf = hf.generate(prompts, 2, NEW, T, 1.0, seeds)
     for g in (g_vl, g_hf, s_vl, s_hf):
         assert any(g.finished), g.response_ids
+        assert any(ids[-1] == boosted for ids in g.response_ids), (boosted, g.response_ids)
         for ids, lps, done in zip(g.response_ids, g.logprobs, g.finished, strict=True):
             assert done == (ids[-1] in stop_ids)
-            assert not set(stop_ids) & set(ids[:-1])
+            assert not (set(stop_ids) | {boosted}) & set(ids[:-1])
             assert len(lps) == len(ids) and (done or len(ids) == NEW)
 
     # 6. A sync that misses weights of the engine's model (vLLM only warns, and the quiet console

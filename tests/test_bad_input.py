@@ -18,7 +18,6 @@ from conftest import latest
 from conftest import rewrite_manifest
 from conftest import run_py
 
-
 # What the project itself writes to stderr besides an error: its warnings and notes, and
 # progress bars (tqdm's, on stderr: a bar's text holds "%|" or "it/s")
 OWN_LINES = ("error:", "warning:", "WARNING:", "note:")

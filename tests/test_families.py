@@ -659,6 +659,18 @@ def test_reward_model_of_a_family_without_a_classifier(tmp_path):
     assert len(scores) == 2 and all(math.isfinite(s) for s in scores), scores
 
 
+def test_qwen2_engines_stop_at_its_second_eos_id(tmp_path):
+    """rollout_check on Qwen2-Instruct's shape (two EOS ids in its generation config, a tied
+    head, ChatML): with the second id made likely, both engines stop there and say `finished`
+    (family_case's PPO run alone would not see an engine that samples past it)."""
+    base = str(tmp_path / "qwen2")
+    build_qwen2(base)
+    config = json.load(open(os.path.join(base, "generation_config.json")))
+    assert isinstance(config["eos_token_id"], list) and len(config["eos_token_id"]) == 2, config
+    p = run("tests/rollout_check.py", base, nproc=2)
+    assert p.stdout.count("ROLLOUT CHECK OK rank") == 2, p.stdout[-2000:]
+
+
 def test_weight_sync_sentinel_tied_head(tmp_path):
     """rollout_check on a tied-head model with no PAD (GPT-2): the engines' logprobs follow a
     perturbed actor after `sync_weights` only, both engines, EOS and seeds as for the tiny Llama
