@@ -265,6 +265,20 @@ def write_small_checkpoint(path, step=1):
     (path / "manifest.json").write_text(json.dumps({"step": step, "files": files}))
 
 
+@pytest.fixture
+def one_rank():
+    """A process group of one rank, in-process, as a run has one (what these tests call asks for
+    the rank, or runs a collective); an earlier in-process test's group is used as it is."""
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if owned:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def addition_jsonl(tmp_path_factory):
     """A small training file: 64 addition examples, so an epoch is 4 steps of 16."""

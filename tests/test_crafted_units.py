@@ -872,7 +872,7 @@ def test_a_store_export_writes_config_json_last_and_drops_stale_weights(tmp_path
 
 
 def test_a_resume_on_a_store_takes_the_store_logs_unless_they_lack_rows(
-    tmp_path, monkeypatch, capsys
+    tmp_path, monkeypatch, capsys, one_rank
 ):
     """With an object-store --out_dir, rank 0 logs locally and copies the logs up at each save. A
     rank 0 back on a machine it ran on before (a requeue) kept that machine's copy, older or an
@@ -883,7 +883,6 @@ def test_a_resume_on_a_store_takes_the_store_logs_unless_they_lack_rows(
     import common
     import objstore
 
-    monkeypatch.setattr(common.dist, "get_rank", lambda: 0)
     store = "memory://plainrlhf-logs/run"
     fs, path = objstore.fs_of(store)
 

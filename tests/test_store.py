@@ -330,20 +330,6 @@ def small_on_store(fs, tmp_path, name, step=1):
     return f"s3://{BUCKET}/crafted/{name}"
 
 
-@pytest.fixture
-def one_rank():
-    """A process group of one rank, in-process, as a run has one (what these tests call asks for
-    the rank, or runs a collective); an earlier in-process test's group is used as it is."""
-    import torch.distributed as dist
-
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if owned:
-        dist.destroy_process_group()
-
-
 def test_a_failed_save_never_removes_a_committed_prefix(store, tmp_path, one_rank):
     """A save that fails on a store removes its step's objects, unless a manifest is among them:
     then it failed after its commit (the `latest` PUT), or the prefix is another run's (which
