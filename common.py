@@ -2673,8 +2673,8 @@ def close_progress_bar(pbar):
 
 def print_error(line):
     """An error line on stderr, whole and on a line of its own: rank 0's progress bar is cleared
-    first (tqdm.write), and another rank starts a new line where rank 0's bar may be on it. One
-    write per line, so two ranks' errors never glue together. A line break inside (a file's
+    first (tqdm's external write mode), and another rank starts a new line where rank 0's bar may
+    be on it. One write per line, so two ranks' errors never glue together. A line break inside (a file's
     name may hold one) is written as \\n (`checkpoint.one_line`). A line that another rank of
     the node has printed already is not printed again (`first_to_say`)."""
     line = checkpoint.one_line(line)
@@ -2684,7 +2684,10 @@ def print_error(line):
         sys.stderr.write(bar_break() + line + "\n")
         sys.stderr.flush()
         return
-    tqdm.write(line, file=sys.stderr)
+    # the bar cleared around it (tqdm.write's own writes the line and its newline apart: stderr
+    # writes through, and another rank's line landed between them, glued to this one)
+    with tqdm.external_write_mode(file=sys.stderr):
+        sys.stderr.write(line + "\n")
     sys.stderr.flush()
 
 
