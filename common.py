@@ -1201,9 +1201,8 @@ def split_repeated_prompt(where, row):
             "their last shared turn, a user's, to be the prompt's text); give the prompt once"
         )
     if shared == [{"role": "user", "content": prompt}]:
-        row["prompt"] = (
-            prompt  # the text itself: the same rendering, and a model without a template
-        )
+        # the text itself: the same rendering, and a model without a template takes it too
+        row["prompt"] = prompt
 
 
 def load_examples(path, tok, max_len):
@@ -2674,9 +2673,9 @@ def close_progress_bar(pbar):
 def print_error(line):
     """An error line on stderr, whole and on a line of its own: rank 0's progress bar is cleared
     first (tqdm's external write mode), and another rank starts a new line where rank 0's bar may
-    be on it. One write per line, so two ranks' errors never glue together. A line break inside (a file's
-    name may hold one) is written as \\n (`checkpoint.one_line`). A line that another rank of
-    the node has printed already is not printed again (`first_to_say`)."""
+    be on it. One write per line, so two ranks' errors never glue together. A line break inside
+    (a file's name may hold one) is written as \\n (`checkpoint.one_line`). A line that another
+    rank of the node has printed already is not printed again (`first_to_say`)."""
     line = checkpoint.one_line(line)
     if not first_to_say(line):
         return
