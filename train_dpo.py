@@ -172,17 +172,19 @@ def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, n_pairs, beta, lo
 def dpo_statistics(pi_chosen, pi_rejected, ref_chosen, ref_rejected, beta):
     """Per-micro-batch sums of TRL's DPO metrics (divided by the global pair count when logged).
     The implicit reward of a response is β·(log pi - log pi_ref) (eq. 5 of the paper, without the
-    prompt's term, which cancels within a pair). All inputs [b], detached."""
+    prompt's term, which cancels within a pair). All inputs [b], detached. Each sum stays a
+    float64 tensor on the device (no `.item()`: on a GPU that would wait for the micro-batch's
+    backward before the next forward could be queued); summed in float64 as Python floats would."""
     reward_chosen = beta * (pi_chosen - ref_chosen)  # [b]
     reward_rejected = beta * (pi_rejected - ref_rejected)  # [b]
     return {
-        "rewards/chosen": reward_chosen.sum().item(),
-        "rewards/rejected": reward_rejected.sum().item(),
+        "rewards/chosen": reward_chosen.sum().double(),
+        "rewards/rejected": reward_rejected.sum().double(),
         # a pair counts as right when its chosen response has the higher implicit reward
-        "rewards/accuracies": (reward_chosen > reward_rejected).float().sum().item(),
-        "rewards/margins": (reward_chosen - reward_rejected).sum().item(),
-        "logps/chosen": pi_chosen.sum().item(),
-        "logps/rejected": pi_rejected.sum().item(),
+        "rewards/accuracies": (reward_chosen > reward_rejected).float().sum().double(),
+        "rewards/margins": (reward_chosen - reward_rejected).sum().double(),
+        "logps/chosen": pi_chosen.sum().double(),
+        "logps/rejected": pi_rejected.sum().double(),
     }
 
 
@@ -269,7 +271,7 @@ def train_step(args, model, reference, optim, sched, mine, pad_id, device):
         )
         # FSDP averages gradients over ranks; the loss is already a global pair mean: undo that
         (loss * world).backward()
-        sums["loss"] += loss.item()
+        sums["loss"] += loss.detach().double()  # a tensor: no host sync per micro-batch
         statistics = dpo_statistics(
             pi_chosen.detach(), pi_rejected.detach(), ref_chosen, ref_rejected, args.beta
         )

@@ -228,8 +228,10 @@ def train_step(args, model, optim, sched, mine, pad_id, device):
         loss = bradley_terry_loss(r_chosen, r_rejected, margins, args.train_batch_size)
         # FSDP averages gradients over ranks; the loss is already a global pair mean: undo that
         (loss * world).backward()
-        sums["loss"] += loss.item()
-        sums["correct"] += (r_chosen > r_rejected).sum().item()
+        # float64 tensors on the device, summed as Python floats would be: an `.item()` here
+        # would make the host wait for each micro-batch's backward on a GPU
+        sums["loss"] += loss.detach().double()
+        sums["correct"] += (r_chosen > r_rejected).sum().double()
     grad_norm = common.clip_grad_norm(model, args.max_grad_norm, "reward model")
     optim.step()
     lr = sched.get_last_lr()[0]  # the rate this step trained at (before the schedule moves on)
