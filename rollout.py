@@ -210,6 +210,11 @@ class VLLMEngine:
 
     def load_weights(self, named_tensors):
         if self.asleep:
+            # PyTorch's caching allocator keeps the update's freed blocks reserved, and vLLM's
+            # wake-up allocates outside it (its CuMem pool): hand them back to CUDA first, or the
+            # wake-up can run out of memory that the trainer no longer uses (TRL's GRPOTrainer
+            # empties the cache before its wake_up for the same reason)
+            torch.cuda.empty_cache()
             # wake the weights first: loading into a sleeping engine writes to freed memory
             self.llm.wake_up(tags=["weights"])
         if not self.has_lm_head:
@@ -218,6 +223,7 @@ class VLLMEngine:
         if not self.gpu:
             self.llm.collective_rpc(_repack_cpu_experts)
         if self.asleep:
+            torch.cuda.empty_cache()  # the gathered tensors the sync streamed, likewise
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         # cached prefixes were computed with the old weights; vLLM declines (False) while a
