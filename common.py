@@ -1409,19 +1409,99 @@ def prompt_text(tok, prompt):
 
 def encode_response(tok, prompt, response):
     """Token ids of `response` as it continues `prompt`, to follow encode_prompt's ids (SFT, RM,
-    DPO, and PPO's reward-model inputs). Tokenized on its own, a response reads as the start of a
+    DPO, and PPO's reward-model inputs): the text the chat template renders for it
+    (`response_text`). Tokenized on its own, a response reads as the start of a
     text: SentencePiece tokenizers (Llama 2, Mistral) then prefix its first word with "▁", a space
     the data does not have ("37+45=" then "82" would train "▁8 2", where the whole text has
     "8 2"). So the response is tokenized after a context, the prompt's own text, and the tokens
     that begin in the response are kept. Where a token spans the join (a BPE merge: "Answer: "
     then "82" is "Answer:" + " 82"; unknown characters fused into one <unk>), the context is a
     newline instead, which starts a new word without joining what follows it."""
+    response = response_text(tok, prompt, response)
     for context in (prompt_text(tok, prompt), "\n"):
         ids = _ids_after(tok, context, response)
         if ids is not None:
             return ids
     # both join its first token (a prompt ending in a newline, a response starting with one)
     return tok(response, add_special_tokens=False).input_ids
+
+
+def response_text(tok, prompt, response):
+    """The text of `response` as the chat template renders it for the assistant's turn after
+    `prompt`, less the turn's end (`turn_end`): what follows the generation prompt when the whole
+    conversation is rendered. Templates do not all print a turn's content as it is given:
+    Mistral's puts a space before it, Llama 3's and Gemma's trim it, Qwen3's (in its default
+    thinking mode) opens it with an empty think block "<think>\n\n</think>\n\n". Trained as
+    given, a model would learn turns its template never shows it, and a reward model would
+    score texts unlike the ones the template renders (TRL's SFTTrainer, too, takes a completion
+    from the rendering of the whole conversation). As given without a template; as given, too,
+    where the generation prompt is not the start of the rendered turn (DeepSeek-R1's ends with
+    "<think>\n", which its rendering of a past turn drops): there the response is what the model
+    generates after the generation prompt (`check_response_start` refuses one repeating it)."""
+    if not tok.chat_template:
+        return response
+    messages = chat_messages(prompt) + [{"role": "assistant", "content": response}]
+    try:
+        with render_time_limit("a response"):
+            whole = tok.apply_chat_template(messages, tokenize=False, **CHAT_TEMPLATE_KWARGS)
+    except Exception:  # jinja's TemplateError: a template that renders no assistant turn
+        return response  # (response_end_id falls back to EOS for it too)
+    asked = prompt_text(tok, prompt)  # with the generation prompt
+    end = turn_end(tok)
+    if end is None or not whole.startswith(asked) or not whole.endswith(end):
+        return response
+    return whole[len(asked) : len(whole) - len(end)]
+
+
+def turn_end(tok):
+    """The text the chat template renders after an assistant turn's content (ChatML's
+    "<|im_end|>\n", Llama 3's "<|eot_id|>"), whose first token response_end_id appends; None where
+    it renders no assistant turn with its content."""
+    template = tok.chat_template
+    if isinstance(template, dict):  # named templates: as in response_end_id
+        template = tuple(sorted(template.items()))
+    return _turn_end(tok, template, json.dumps(CHAT_TEMPLATE_KWARGS, sort_keys=True))
+
+
+@functools.cache  # per tokenizer, template and its variables (asked once per response)
+def _turn_end(tok, chat_template, kwargs_key):
+    text = _render_mark_turn(tok)
+    if text is None or RESPONSE_MARK not in text:
+        return None
+    return text.split(RESPONSE_MARK, 1)[1]
+
+
+def check_response_start(tok, prompt, response, where):
+    """Refuse a response that begins with what the generation prompt already ends with, beyond
+    the turn the template renders (DeepSeek-R1's "<think>\n": data written for a template that
+    opens the think block in the turn itself, "<think>\nLet me add.</think>...", would train a
+    second one after the generation prompt's). Only where `response_text` keeps the response as
+    given; one line naming `where`."""
+    if not tok.chat_template or response_text(tok, prompt, response) != response:
+        return
+    messages = chat_messages(prompt)
+    try:
+        with render_time_limit(where):
+            history = tok.apply_chat_template(messages, tokenize=False, **CHAT_TEMPLATE_KWARGS)
+            whole = tok.apply_chat_template(
+                messages + [{"role": "assistant", "content": response}],
+                tokenize=False,
+                **CHAT_TEMPLATE_KWARGS,
+            )
+    except Exception:  # a template that renders no assistant turn: nothing to compare
+        return
+    asked = prompt_text(tok, prompt)
+    if not (asked.startswith(history) and whole.startswith(history)):
+        return
+    header = asked[len(history) :]  # the generation prompt (R1's: its assistant tag, "<think>\n")
+    turn = whole[len(history) :]  # the turn as rendered (R1's: the tag, "82", its EOS)
+    shared = len(os.path.commonprefix([header, turn]))
+    extra = header[shared:].strip()  # what only the generation prompt has: "<think>"
+    if extra and response.lstrip().startswith(extra):
+        raise SystemExit(
+            f"error: {where}: the response begins with {extra!r}, which the chat template's "
+            "generation prompt already ends with: leave it out of the response"
+        )
 
 
 def encode_pair(tok, row, max_len, where):
@@ -1436,6 +1516,7 @@ def encode_pair(tok, row, max_len, where):
     prompt = encode_prompt(tok, row["prompt"], where)
     sequences = []
     for name in ("chosen", "rejected"):
+        check_response_start(tok, row["prompt"], row[name], f"{where}: '{name}'")
         response = encode_response(tok, row["prompt"], row[name])
         ids = prompt + response + [response_end_id(tok)]
         if len(ids) > max_len:
@@ -1502,8 +1583,9 @@ def eval_share(items):
 
 def decode_budget(tok, examples):
     """How many tokens greedy_accuracy decodes for held-out {"prompt", "response"} examples: the
-    longest response, and its EOS."""
-    return 1 + max(len(tok(e["response"], add_special_tokens=False).input_ids) for e in examples)
+    longest response as trained (`encode_response`: the template's rendering of it), and its
+    end."""
+    return 1 + max(len(encode_response(tok, e["prompt"], e["response"])) for e in examples)
 
 
 def check_held_out(tok, examples, max_len):
@@ -1511,28 +1593,27 @@ def check_held_out(tok, examples, max_len):
     (decode_budget): a model with learned positions (GPT-2) fails on the first position past it,
     one with rotary positions generates past what it was trained on. One line names the first
     row that does not fit, before any training. examples: [(where, row)]."""
-    lengths = []
+    lengths = []  # [(prompt tokens, response tokens)] per example
     for where, example in examples:
-        # a response needs room for EOS and at least one prompt token; one far longer is
-        # refused before it is tokenised (`check_fits`)
+        # a response needs room for EOS and at least one prompt token; one far longer (or a
+        # prompt) is refused before it is tokenised (`check_fits`)
         check_fits(tok, example["response"], max_len - 2, where)
-        n_response = len(tok(example["response"], add_special_tokens=False).input_ids)
+        check_fits(tok, prompt_content(tok, example["prompt"], where), max_len - 1, where)
+        ids = encode_prompt(tok, example["prompt"], where)  # a template failing: names `where`
+        check_prompt_ids(ids, where)  # greedy_accuracy cannot generate from nothing
+        n_response = len(encode_response(tok, example["prompt"], example["response"]))
         if n_response + 2 > max_len:
             raise SystemExit(
                 f"error: {where}: a held-out response of {n_response} tokens leaves no room for "
                 f"its prompt and EOS in the model's context ({max_len})"
             )
-        lengths.append(n_response)
+        lengths.append((len(ids), n_response))
     if not examples:
         return
-    longest = lengths.index(max(lengths))
-    budget = 1 + lengths[longest]  # as decode_budget counts it
-    for where, example in examples:
-        text = prompt_content(tok, example["prompt"], where)
-        check_fits(tok, text, max(max_len - budget, 1), where)
-        ids = encode_prompt(tok, example["prompt"], where)
-        check_prompt_ids(ids, where)  # greedy_accuracy cannot generate from nothing
-        n_prompt = len(ids)
+    responses = [n_response for _, n_response in lengths]
+    longest = responses.index(max(responses))
+    budget = 1 + responses[longest]  # as decode_budget counts it
+    for (where, _), (n_prompt, _) in zip(examples, lengths):
         if n_prompt + budget > max_len:
             raise SystemExit(
                 f"error: {where}: the prompt's {n_prompt} tokens and the {budget} the held-out "
@@ -1583,7 +1664,9 @@ def greedy_accuracy(model, tok, examples, stop_ids, device, batch_size=64):
             eos_token_id=stop_ids,  # every id the model may end a response with
         )
         texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        right += [t.strip() == e["response"].strip() for t, e in zip(texts, chunk)]
+        # against the response as trained: as the chat template renders it (`response_text`)
+        wanted = [response_text(tok, e["prompt"], e["response"]).strip() for e in chunk]
+        right += [t.strip() == w for t, w in zip(texts, wanted)]
     model.train(was_training)
     # every rank decoded a share: the accuracy is over all of them
     totals = global_sums({"right": sum(right[:counted]), "examples": counted}, device)
@@ -2393,6 +2476,24 @@ def response_end_id(tok):
 def _response_end_id(tok, chat_template, kwargs_key):
     if not chat_template:
         return tok.eos_token_id
+    text = _render_mark_turn(tok)
+    if text is None or RESPONSE_MARK not in text:
+        return tok.eos_token_id
+    after = tok(text.split(RESPONSE_MARK, 1)[1], add_special_tokens=False).input_ids
+    special = set(tok.all_special_ids)
+    special |= {i for i, added in tok.added_tokens_decoder.items() if added.special}
+    # not a turn's end: what a character the vocabulary lacks becomes, a text's start. PAD may
+    # be the end of turn itself (Llama 3 tuned with <|eot_id|> as its PAD): masks here come from
+    # lengths, never from PAD ids (`load_model_and_tokenizer`), so it stays a candidate.
+    special -= {tok.unk_token_id, tok.bos_token_id}
+    if after and after[0] in special:
+        return after[0]
+    return tok.eos_token_id
+
+
+def _render_mark_turn(tok):
+    """The chat template's rendering of one exchange whose answer is RESPONSE_MARK (for
+    response_end_id and turn_end); None where the template renders no assistant turn."""
     messages = [
         {"role": "user", "content": "1+1="},
         {"role": "assistant", "content": RESPONSE_MARK},
@@ -2400,19 +2501,9 @@ def _response_end_id(tok, chat_template, kwargs_key):
     try:
         # (check_chat_template tried a user turn only: a template may loop on an assistant's)
         with render_time_limit(f"{tok.name_or_path}: an assistant turn"):
-            text = tok.apply_chat_template(messages, tokenize=False, **CHAT_TEMPLATE_KWARGS)
+            return tok.apply_chat_template(messages, tokenize=False, **CHAT_TEMPLATE_KWARGS)
     except Exception:  # jinja's TemplateError: a template that renders no assistant turn
-        return tok.eos_token_id
-    if RESPONSE_MARK not in text:
-        return tok.eos_token_id
-    after = tok(text.split(RESPONSE_MARK, 1)[1], add_special_tokens=False).input_ids
-    special = set(tok.all_special_ids)
-    special |= {i for i, added in tok.added_tokens_decoder.items() if added.special}
-    # not a turn's end: what a character the vocabulary lacks becomes, padding, a text's start
-    special -= {tok.unk_token_id, tok.pad_token_id, tok.bos_token_id}
-    if after and after[0] in special:
-        return after[0]
-    return tok.eos_token_id
+        return None
 
 
 def stopping_at(generation_config, stop_ids):

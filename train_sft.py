@@ -96,6 +96,7 @@ def encode(tok, example, max_len, where):
     common.check_fits(tok, text, max_len, where)
     prompt = common.encode_prompt(tok, example["prompt"], where)
     common.check_prompt_ids(prompt, where)
+    common.check_response_start(tok, example["prompt"], example["response"], where)
     response = common.encode_response(tok, example["prompt"], example["response"])
     response = response + [common.response_end_id(tok)]  # EOS, or the template's end of turn
     length = len(prompt) + len(response)

@@ -1127,6 +1127,100 @@ def test_a_response_ends_as_the_chat_template_ends_a_turn():
     assert common.response_end_id(plain) == plain.eos_token_id
 
 
+# Three real templates' ways with an assistant turn, each on the character tokenizer: Mistral
+# v0.3's (a space before the content, which it trims), Qwen3's (an empty think block opens the
+# last turn in its default thinking mode; its non-thinking generation prompt holds it instead)
+# and DeepSeek-R1's (its generation prompt opens a think block that its rendering of a past turn
+# drops, with everything before "</think>").
+MISTRAL_LIKE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "[INST] {{ m['content'] }} [/INST]{% else %} {{ m['content'] | trim }}{{ eos_token }}"
+    "{% endif %}{% endfor %}"
+)
+QWEN3_LIKE = (
+    "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
+    "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+R1_LIKE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}<start_of_turn>user\n{{ m['content'] }}"
+    "{% else %}{% set c = m['content'] %}{% if '</think>' in c %}"
+    "{% set c = c.split('</think>')[-1] %}{% endif %}"
+    "<start_of_turn>assistant\n{{ c }}<end_of_turn>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>assistant\n<think>\n{% endif %}"
+)
+
+
+def templated_tokenizer(template, **special):
+    """gemma_style_tokenizer's characters and special tokens under another template, with
+    Qwen3's "<think>" and "</think>" as added (not special) tokens."""
+    tok = gemma_style_tokenizer()
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = template
+    for name, value in special.items():
+        setattr(tok, name, value)
+    return tok
+
+
+def trained_tokens(tok, prompt, response):
+    ids, n_prompt = train_sft.encode(tok, {"prompt": prompt, "response": response}, 128, "x")
+    return tok.convert_ids_to_tokens(ids[n_prompt:])
+
+
+def test_a_response_is_trained_as_the_chat_template_renders_its_turn(monkeypatch):
+    """A template that does not print a turn's content as given (a space before it, trimmed,
+    an empty think block before it) had the content trained as given, silently: a turn the
+    template never shows the model. Now SFT, the pairs, PPO's reward-model inputs and the
+    held-out comparison take the response as the template renders it (`common.response_text`)."""
+    mistral = templated_tokenizer(MISTRAL_LIKE)
+    assert trained_tokens(mistral, "1+2=", "82") == [" ", "8", "2", "<eos>"]
+    assert trained_tokens(mistral, "1+2=", "  82 ") == [" ", "8", "2", "<eos>"]  # trimmed
+    qwen3 = templated_tokenizer(QWEN3_LIKE)
+    think = ["<think>", "\n", "\n", "</think>", "\n", "\n"]
+    assert trained_tokens(qwen3, "1+2=", "82") == think + ["8", "2", "<end_of_turn>"]
+    # the whole sequence is the template's rendering of the two turns, to the turn's end
+    ids, _ = train_sft.encode(qwen3, {"prompt": "1+2=", "response": "82"}, 128, "x")
+    turns = [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "82"}]
+    assert qwen3.decode(ids) == qwen3.apply_chat_template(turns, tokenize=False)[:-1]
+    assert common.response_text(qwen3, "1+2=", "82") == "<think>\n\n</think>\n\n82"
+    # a reward model reads a sampled response as its pairs trained it
+    row = {"prompt": "1+2=", "chosen": "82", "rejected": "81"}
+    (chosen, _), _ = common.encode_pair(qwen3, row, 128, "x")
+    assert train_ppo.reward_model_inputs(qwen3, ["1+2="], ["82"], [True]) == [chosen]
+    # the held-out decoding has room for the block too
+    assert common.decode_budget(qwen3, [{"prompt": "1+2=", "response": "82"}]) == 9
+    # non-thinking: the generation prompt holds the empty block, the response follows it
+    monkeypatch.setitem(common.CHAT_TEMPLATE_KWARGS, "enable_thinking", False)
+    assert trained_tokens(qwen3, "1+2=", "82") == ["8", "2", "<end_of_turn>"]
+
+
+def test_a_response_repeating_the_generation_prompts_end_is_refused():
+    """DeepSeek-R1's generation prompt ends with "<think>\\n" and its rendering of a past turn
+    keeps only what follows "</think>": the response is trained as given after the generation
+    prompt, and one that opens the think block again would train two."""
+    r1 = templated_tokenizer(R1_LIKE)
+    assert trained_tokens(r1, "1+2=", "x</think>82") == ["x", "</think>", "8", "2", "<end_of_turn>"]
+    line = "x: the response begins with '<think>', which the chat template's generation prompt"
+    with pytest.raises(SystemExit, match=line):
+        train_sft.encode(r1, {"prompt": "1+2=", "response": "<think>\nx</think>82"}, 128, "x")
+    row = {"prompt": "1+2=", "chosen": "x</think>82", "rejected": "<think>x</think>81"}
+    with pytest.raises(SystemExit, match="x: 'rejected': the response begins with '<think>'"):
+        common.encode_pair(r1, row, 128, "x")
+
+
+def test_an_end_of_turn_that_is_also_the_pad_token_ends_a_response():
+    """Llama 3 tuned with <|eot_id|> as its PAD: the template's end of turn is the PAD token,
+    and response_end_id passed over it for the tokenizer's EOS, which the template never
+    writes after an answer."""
+    tok = templated_tokenizer(GEMMA_TEMPLATE, pad_token="<end_of_turn>")
+    end_of_turn = tok.convert_tokens_to_ids("<end_of_turn>")
+    assert tok.pad_token_id == end_of_turn
+    assert common.response_end_id(tok) == end_of_turn
+
+
 def test_building_the_tiny_model_leaves_the_callers_rng_alone(tmp_path):
     """ensure_tiny_model seeds its own weights (the same on every machine); a stage calls it after
     seeding every RNG with seed + rank, whose stream must not be reset to the model's seed."""
