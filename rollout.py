@@ -60,15 +60,16 @@ def build_engine(
     gpu_memory_utilization=0.3,
     enforce_eager=False,
     attn_implementation=None,
+    temperature=1.0,
 ):
-    """kind: 'vllm', 'hf', or 'auto' (vllm when it imports and takes the family's new weights:
-    `_auto_engine`). stop_ids: the token ids a response
+    """kind: 'vllm', 'hf', or 'auto' (vllm when it imports, takes the family's new weights and
+    samples at `temperature`: `_auto_engine`). stop_ids: the token ids a response
     ends at (`common.stop_token_ids`). attn_implementation: the HF engine's, as the trainer's
     (`common.attention_implementation`). Build it before restoring a checkpoint's RNG: vLLM seeds
     the global generators while it starts."""
     flag = f"--rollout_engine {kind}"  # what the user asked for, in the lines that refuse
     if kind == "auto":
-        kind = _auto_engine(model_path)
+        kind = _auto_engine(model_path, temperature)
     if kind == "vllm":
         check_reloadable(model_path, flag)
         return VLLMEngine(
@@ -102,12 +103,24 @@ def check_reloadable(model_path, flag="--rollout_engine vllm"):
         )
 
 
-def _auto_engine(model_path):
-    """--rollout_engine auto: 'vllm' when it imports and can take the family's new weights, else
-    'hf' (said on rank 0 when vLLM is there but cannot: not a silent fallback)."""
+# vLLM 0.32's SamplingParams refuses a higher temperature ("temperature must be in [0, 2]")
+VLLM_MAX_TEMPERATURE = 2.0
+
+
+def _auto_engine(model_path, temperature):
+    """--rollout_engine auto: 'vllm' when it imports, can take the family's new weights and
+    samples at `temperature`, else 'hf' (said on rank 0 when vLLM is there but cannot: not a
+    silent fallback)."""
     try:
         import vllm  # noqa: F401
     except ImportError:
+        return "hf"
+    if temperature > VLLM_MAX_TEMPERATURE:
+        if dist.get_rank() == 0:
+            print(
+                f"rollout engine: hf, not vLLM (--temperature {temperature:g}: vLLM samples "
+                f"at temperatures up to {VLLM_MAX_TEMPERATURE:g})"
+            )
         return "hf"
     family = _model_type(model_path)
     if family in NOT_RELOADABLE:

@@ -773,9 +773,10 @@ def check_args(args, world):
             f"error: batch sizes do not divide: --rollout_batch_size {args.rollout_batch_size} "
             f"by world size {world}, it x --n_samples_per_prompt {n} by --train_batch_size "
             f"{args.train_batch_size}, that by --micro_batch_size {args.micro_batch_size} x "
-            "world size"
+            f"world size {world}"
         )
     check_reward_flags(args)
+    check_engine_flags(args)
     if args.advantage_estimator != "gae" and n < 2:
         raise SystemExit(
             f"error: --advantage_estimator {args.advantage_estimator} compares the samples of a "
@@ -787,6 +788,17 @@ def check_args(args, world):
         raise SystemExit(
             f"error: --scale_rewards {args.scale_rewards} applies to --advantage_estimator grpo "
             f"only; {args.advantage_estimator} divides its advantages by no std"
+        )
+
+
+def check_engine_flags(args):
+    """vLLM 0.32 samples at temperatures up to rollout.VLLM_MAX_TEMPERATURE: its SamplingParams
+    refuses more, at the first rollout, in a traceback per rank. --rollout_engine vllm with a
+    higher one is one line before anything loads; auto takes the HF engine for it."""
+    if args.rollout_engine == "vllm" and args.temperature > rollout.VLLM_MAX_TEMPERATURE:
+        raise SystemExit(
+            f"error: --temperature {args.temperature}: vLLM samples at temperatures up to "
+            f"{rollout.VLLM_MAX_TEMPERATURE:g}; use --rollout_engine hf for a higher one"
         )
 
 
@@ -1595,6 +1607,7 @@ def main(args):
         args.gpu_memory_utilization,
         args.enforce_eager,
         common.attention_implementation(args.model, args.attn_implementation),
+        args.temperature,
     )
     start = 0
     kl_coef = args.kl_coef  # beta; the adaptive controller moves it [N policy #11]

@@ -732,6 +732,30 @@ def test_scale_rewards_outside_grpo_is_refused(estimator):
     train_ppo.check_args(train_ppo.Args(advantage_estimator="grpo", scale_rewards="batch"), 1)
 
 
+def test_a_temperature_vllm_cannot_sample_at(one_rank):
+    """vLLM 0.32 refuses a temperature above 2 in its SamplingParams, at the first rollout, in a
+    traceback per rank: --rollout_engine vllm is refused before anything loads, and auto takes
+    the HF engine, saying so (which has no such limit)."""
+    import rollout
+    import train_ppo
+
+    args = train_ppo.Args(rollout_engine="vllm", temperature=2.5)
+    line = "--temperature 2.5: vLLM samples at temperatures up to 2; use --rollout_engine hf"
+    with pytest.raises(SystemExit, match=line):
+        train_ppo.check_args(args, 1)
+    train_ppo.check_args(train_ppo.Args(rollout_engine="vllm", temperature=2.0), 1)
+    train_ppo.check_args(train_ppo.Args(rollout_engine="auto", temperature=2.5), 1)
+    assert rollout._auto_engine(task_model(), 2.5) == "hf"
+    assert rollout._auto_engine(task_model(), 2.0) == "vllm"
+
+
+def task_model():
+    import task
+
+    task.ensure_tiny_model()
+    return task.TINY_MODEL
+
+
 def test_a_reward_model_input_longer_than_its_context(tmp_path):
     """PPO re-encodes each response with the reward model's own tokenizer, so the policy's context
     check (prompt + --max_new_tokens) does not bound it. Past its context a learned position table
