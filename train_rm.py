@@ -27,6 +27,7 @@ the phases (`pair_scores`, `train_step`, `evaluate`, `reward_stats`); setup and 
 logging) is in common.py.
 """
 
+import copy
 import dataclasses
 import functools
 import math
@@ -313,7 +314,8 @@ def build_reward_model(args):
     # differs per rank. A sequence classifier's own head (a reward model trained on) is kept.
     if model.fresh_head:
         init_reward_head(common.value_head(model), args.seed)
-    # The export's pad id, for plain transformers' batched scoring; ours reads the mask.
+    # transformers' forward refuses a batch without a pad id; ours reads the score's position
+    # from the mask. The checkpoints and the export save it where it is safe (`SavedConfig`).
     model.config.pad_token_id = tok.pad_token_id
     # A reward model trained further carries the statistics of its old scores: dropped, so that
     # nothing saved carries another model's (each save records this model's: `main`).
@@ -327,6 +329,28 @@ def build_reward_model(args):
     # Llama and Qwen ship, trains the same either way).
     model.eval()
     return model, tok
+
+
+class SavedConfig:
+    """The reward model's config as its checkpoints and export save it: the model's own (its
+    reward_mean and reward_std as last recorded), with no `pad_token_id` where PAD is a token
+    every scored sequence ends with (EOS standing in for a missing PAD: Llama 3 base, GPT-2;
+    PAD == EOS: Qwen2.5 base; Llama 3 tuned with <|eot_id|> as PAD). Plain transformers scores
+    a sequence at its last token that is not PAD, there the token before the end this model
+    learned to score at; with none it takes the last token (and refuses a batch: pad it and read
+    the position from the mask, as plainrlhf does). Training keeps the id on the model, whose
+    forward refuses batches without one; PPO sets it again when it loads the export."""
+
+    def __init__(self, config, tok):
+        self.config = config
+        self.pad_token_id = tok.pad_token_id
+        if tok.pad_token_id in (tok.eos_token_id, common.response_end_id(tok)):
+            self.pad_token_id = None
+
+    def save_pretrained(self, path):
+        config = copy.deepcopy(self.config)
+        config.pad_token_id = self.pad_token_id
+        config.save_pretrained(path)
 
 
 def distinct_chosen(train, n):
@@ -423,7 +447,7 @@ def main(args):
             record = functools.partial(
                 record_reward_scale, args, model, train, tok.pad_token_id, device
             )
-        hf_objs = (model.config, tok)
+        hf_objs = (SavedConfig(model.config, tok), tok)
         saved, stop = common.end_of_step(args, step, device, roles, meta, hf_objs, record)
         if step == args.max_steps:
             final = saved

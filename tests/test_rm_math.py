@@ -223,3 +223,41 @@ def test_reward_normalisation_is_read_checked_from_the_config(capsys):
     for fields, message in bad:
         with pytest.raises(SystemExit, match=f"^error: --reward_model rm: config.json: {message}"):
             norm(**fields)
+
+
+def test_the_saved_config_has_no_pad_id_where_pad_ends_every_sequence(tmp_path):
+    """Plain transformers scores a sequence at its last token that is not PAD. Where PAD is the
+    EOS every scored sequence ends with (a base without a PAD gets EOS as one), the export's
+    pad id made transformers score the token before it, even one sequence at a time: the
+    export saves none there (`train_rm.SavedConfig`), and then transformers scores a sequence
+    at its last token, where plainrlhf does."""
+    import json
+
+    from transformers import AutoConfig
+    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoTokenizer
+
+    task.ensure_tiny_model()
+    tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
+    config = AutoConfig.from_pretrained(task.TINY_MODEL, num_labels=1)
+    config.pad_token_id = tok.pad_token_id  # <pad>, not EOS: kept
+    train_rm.SavedConfig(config, tok).save_pretrained(tmp_path / "kept")
+    assert json.load(open(tmp_path / "kept" / "config.json"))["pad_token_id"] == tok.pad_token_id
+    tok.pad_token = tok.eos_token  # as common.load_model_and_tokenizer sets it without a PAD
+    config.pad_token_id = tok.pad_token_id
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config).eval()
+    train_rm.SavedConfig(model.config, tok).save_pretrained(tmp_path / "rm")
+    assert model.config.pad_token_id == tok.eos_token_id  # training keeps it
+    saved = AutoConfig.from_pretrained(tmp_path / "rm")
+    assert saved.pad_token_id is None
+    ids = torch.tensor([tok("37+45=").input_ids + tok("82", add_special_tokens=False).input_ids])
+    ids = torch.cat([ids, torch.tensor([[tok.eos_token_id]])], dim=1)  # ends as PPO scores it
+    with torch.no_grad():
+        at_end = model.score(model.model(ids).last_hidden_state[:, -1])  # [1, 1]
+        model.config.pad_token_id = saved.pad_token_id
+        theirs = model(ids).logits
+        model.config.pad_token_id = tok.eos_token_id
+        before = model(ids).logits  # the old export's: the token before the EOS
+    assert torch.allclose(theirs, at_end, rtol=0, atol=1e-6)
+    assert not torch.allclose(before, at_end, rtol=0, atol=1e-3)
