@@ -542,6 +542,18 @@ def _durable(path, text=None):
     os.close(fd)
 
 
+def _readable_as_umask_allows(root):
+    """Give the files an export wrote (top level) config.json's mode, the one a new file gets
+    (0666 less the umask): safetensors writes model.safetensors through a private temporary file
+    and a rename, so it was 0600 beside 0644 configs, unreadable to a serving job of another
+    user."""
+    mode = stat.S_IMODE(os.stat(os.path.join(root, "config.json")).st_mode)
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            os.chmod(path, mode)
+
+
 def _durable_tree(root):
     """fsync every regular file below root, every real folder (its entries), and root's parent
     (root's own entry). A symlink is left alone: what it points to is not ours to sync."""
@@ -2141,6 +2153,7 @@ def export(path, out, role=None):
     try:
         with tempfile.TemporaryDirectory() as local:
             _export_from(path, manifest, role, staging, local)
+        _readable_as_umask_allows(staging)
         # save_pretrained does not fsync: an export that returned is on disk (the next stage, or
         # a deployment, may start from it right after a power loss)
         _durable_tree(staging)

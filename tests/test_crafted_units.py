@@ -1021,6 +1021,10 @@ def test_an_export_prints_its_one_line(tmp_path, sft_checkpoint):
     p = run_py("checkpoint.py", "export", sft_checkpoint, tmp_path / "hf")
     assert p.returncode == 0 and p.stderr == "", p.stderr[-2000:]
     assert p.stdout == f"exported {sft_checkpoint} -> {tmp_path / 'hf'}\n", p.stdout
+    # the weights as readable as the configs: safetensors wrote them 0600, through a private
+    # temporary file (`checkpoint._readable_as_umask_allows`)
+    config_mode = os.stat(tmp_path / "hf" / "config.json").st_mode
+    assert os.stat(tmp_path / "hf" / "model.safetensors").st_mode == config_mode
 
 
 def test_an_export_of_a_generation_config_transformers_will_not_save_is_one_line(
