@@ -31,7 +31,7 @@ def read_rows(path):
     rows = []
     with open(path, encoding="utf-8", errors="replace") as f:
         for number, line in enumerate(f, 1):
-            if not line.endswith("}\n"):
+            if not line.endswith("\n"):  # the last line, cut by a kill or being written
                 continue
             where = f"{path}:{number}"
             try:

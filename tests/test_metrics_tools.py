@@ -50,6 +50,8 @@ def test_plot_help_and_crafted_metrics_lines_are_one_line(tmp_path):
     good = '{"step": 1, "train/loss": 0.5}\n'
     cases = {
         "{bad}\n": ":2: not a JSON object",
+        "not json at all\n": ":2: not a JSON object",  # was skipped: only "}\n" lines were read
+        "[1, 2]\n": ':2: expected a JSON object with an integer "step"',
         '{"step": "2"}\n': ':2: expected a JSON object with an integer "step"',
         '{"step": 2, "train/loss": "x"}\n': ":2: train/loss: expected a number, got 'x'",
         '{"step": 2, "eval/accuracy": true}\n': ":2: eval/accuracy: expected a number",
