@@ -74,4 +74,9 @@ def main(policy_dir, k="16"):
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)  # usage, not a model folder
+        sys.exit(0)
+    if not 1 <= len(sys.argv) - 1 <= 2:
+        sys.exit("usage: python bench/rl_room.py POLICY_DIR [K]")
     main(*sys.argv[1:])

@@ -130,4 +130,9 @@ def main(rm_dir, policy_dir=None):
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)  # usage, not a model folder
+        sys.exit(0)
+    if not 1 <= len(sys.argv) - 1 <= 2:
+        sys.exit("usage: python bench/rm_kinds.py RM_DIR [POLICY_DIR]")
     main(*sys.argv[1:])

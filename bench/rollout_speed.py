@@ -106,4 +106,7 @@ def main():
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)  # usage, not a run
+        sys.exit(0)
     main()

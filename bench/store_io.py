@@ -141,6 +141,9 @@ def worker():
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)  # usage, not a run
+        sys.exit(0)
     if "RANK" in os.environ:
         worker()
     else:
