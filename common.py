@@ -219,6 +219,8 @@ def build_parser(cls):
         if choices:
             kind = str
         help_text = f"{docs[f.name]} (default: {f.default!r})"
+        if "(default: " in docs[f.name]:  # its docstring says what the default stands for
+            help_text = docs[f.name]
         group = own
         if f.name in shared_names:
             group = shared
