@@ -878,9 +878,12 @@ def check_gae_only_flags(args):
         return
     defaults = Args()
     moved = [f"--{name}" for name in GAE_ONLY if getattr(args, name) != getattr(defaults, name)]
+    verb = "applies"
+    if len(moved) > 1:
+        verb = "apply"
     if moved:
         raise SystemExit(
-            f"error: {', '.join(moved)} apply to --advantage_estimator gae (GAE and its critic) "
+            f"error: {', '.join(moved)} {verb} to --advantage_estimator gae (GAE and its critic) "
             f"only; {args.advantage_estimator} has no critic and uses neither"
         )
 

@@ -701,6 +701,8 @@ def test_gae_only_flags_with_grpo_are_refused():
     args = train_ppo.Args(advantage_estimator="grpo", critic_lr=1e-4, gamma=0.99)
     with pytest.raises(SystemExit, match="--gamma, --critic_lr apply to --advantage_estimator gae"):
         train_ppo.check_gae_only_flags(args)
+    with pytest.raises(SystemExit, match="--gamma applies to --advantage_estimator gae"):
+        train_ppo.check_gae_only_flags(train_ppo.Args(advantage_estimator="rloo", gamma=0.9))
     train_ppo.check_gae_only_flags(train_ppo.Args(advantage_estimator="rloo"))  # defaults: fine
     train_ppo.check_gae_only_flags(train_ppo.Args(gamma=0.99))  # gae takes them
 
