@@ -1320,6 +1320,7 @@ def commit():
         return None
     _run["latest"] = name  # every rank: `publish` succeeded on rank 0
     _run["branch"] = name
+    _run.setdefault("written", set()).add(name)  # this run's history (`_of_this_history`)
     if dist.get_rank() == 0:
         _prune(root, step, keep_last)
     return final
@@ -1393,12 +1394,15 @@ def _check_every_rank_listed(final, files, world):
 def _prune(root, step, keep_last):
     """Now that step-N is committed, keep the keep_last newest up to it (0: keep all). Checkpoints
     newer than step-N are an abandoned branch (a run resumed from before them): they stay until
-    this run overwrites them."""
+    this run overwrites them. So do those older than step-N that are not this run's history
+    (`_of_this_history`), and they are not counted: a step-6 that `--resume latest` passed over
+    as damaged, counted as kept, had this run's step-3, which it resumed from, pruned, leaving
+    one checkpoint that verifies where --keep_last 2 promised two."""
     if not keep_last:
         return
     try:
         names, _ = _step_dirs(root)
-        older = [n for n in names if _step_of(n) < step]  # newest first
+        older = [n for n in names if _step_of(n) < step and _of_this_history(n)]  # newest first
         if objstore.is_url(root):
             # a store lists a failed save's prefix too (no manifest: never resumed from, deleted
             # at the next start); counted here, it would push a committed checkpoint out
@@ -1420,6 +1424,16 @@ def _prune(root, step, keep_last):
         except (OSError, objstore.StoreError) as e:
             print(f"WARNING: pruning {name} skipped ({e}); the next save retries", flush=True)
             return
+
+
+def _of_this_history(name):
+    """Whether checkpoint `name` is in this run's history: at or before the step it resumed from
+    (its branch, `resolve`), or written by it since. One newer than that and not written by it is
+    another branch's, or one the resume passed over as damaged. (A save without `resolve`, in
+    the tests: every checkpoint counts.)"""
+    if "since" not in _run:
+        return True
+    return _step_of(name) <= _run["since"] or name in _run.get("written", ())
 
 
 def boundary(step, every, minutes, signalled, device):
@@ -1467,6 +1481,10 @@ def resolve(out_dir, resume):
         raise CheckpointError(error)
     root = os.path.join(out_dir, "checkpoints")
     _run["branch"] = _branch_of(path, root)
+    _run["since"] = 0  # the step this run's history reaches to before its own saves
+    if _run["branch"]:
+        _run["since"] = _step_of(_run["branch"])
+    _run["written"] = set()
     _run["branch_start"] = None
     if mode == resume and resume not in ("", "latest") and _run["branch"]:
         _run["branch_start"] = (root, _run["branch"])  # `begin_branch`, once the resume is checked
