@@ -1436,22 +1436,42 @@ def response_text(tok, prompt, response):
     thinking mode) opens it with an empty think block "<think>\n\n</think>\n\n". Trained as
     given, a model would learn turns its template never shows it, and a reward model would
     score texts unlike the ones the template renders (TRL's SFTTrainer, too, takes a completion
-    from the rendering of the whole conversation). As given without a template; as given, too,
-    where the generation prompt is not the start of the rendered turn (DeepSeek-R1's ends with
-    "<think>\n", which its rendering of a past turn drops): there the response is what the model
-    generates after the generation prompt (`check_response_start` refuses one repeating it)."""
+    from the rendering of the whole conversation). Where the template renders a prompt's turns
+    otherwise once an answer follows (Mistral's moves a system prompt into the last user turn),
+    the turn is rendered after a one-question prompt instead. As given without a template; as
+    given, too, where the generation prompt is not the start of the rendered turn (DeepSeek-R1's
+    ends with "<think>\n", which its rendering of a past turn drops): there the response is what
+    the model generates after the generation prompt (`check_response_start` refuses one
+    repeating it); and as given where it opens the think block itself (a reasoning cut off at
+    --max_new_tokens, which the template does not close), not after an empty one."""
     if not tok.chat_template:
         return response
+    body = _rendered_turn(tok, prompt, response)
+    if body is None:
+        body = _rendered_turn(tok, "1+1=", response)
+    if body is None:
+        return response
+    opening = body[: len(body) - len(response)].split()  # ["<think>", "</think>"], or []
+    if body.endswith(response) and opening and response.lstrip().startswith(opening[0]):
+        return response
+    return body
+
+
+def _rendered_turn(tok, prompt, response):
+    """response_text's rendering after `prompt`; None where the template renders no assistant
+    turn, or one that does not start with the generation prompt and end with `turn_end`."""
     messages = chat_messages(prompt) + [{"role": "assistant", "content": response}]
     try:
         with render_time_limit("a response"):
             whole = tok.apply_chat_template(messages, tokenize=False, **CHAT_TEMPLATE_KWARGS)
     except Exception:  # jinja's TemplateError: a template that renders no assistant turn
-        return response  # (response_end_id falls back to EOS for it too)
+        return None  # (response_end_id falls back to EOS for it too)
     asked = prompt_text(tok, prompt)  # with the generation prompt
     end = turn_end(tok)
     if end is None or not whole.startswith(asked) or not whole.endswith(end):
-        return response
+        return None
+    if len(whole) - len(end) < len(asked):  # the two overlap: no turn between them
+        return None
     return whole[len(asked) : len(whole) - len(end)]
 
 
@@ -1474,11 +1494,12 @@ def _turn_end(tok, chat_template, kwargs_key):
 
 
 def check_response_start(tok, prompt, response, where):
-    """Refuse a response that begins with what the generation prompt already ends with, beyond
-    the turn the template renders (DeepSeek-R1's "<think>\n": data written for a template that
-    opens the think block in the turn itself, "<think>\nLet me add.</think>...", would train a
-    second one after the generation prompt's). Only where `response_text` keeps the response as
-    given; one line naming `where`."""
+    """Refuse a response that holds what only the generation prompt has, beyond the turn the
+    template renders: DeepSeek-R1's "<think>" (data written for a template that opens the think
+    block in the turn itself, "<think>\nLet me add.</think>...", would train a second one after
+    the generation prompt's), Qwen3's non-thinking "</think>" (a reasoning after the generation
+    prompt's empty block). Only where `response_text` keeps the response as given; one line
+    naming `where`."""
     if not tok.chat_template or response_text(tok, prompt, response) != response:
         return
     messages = chat_messages(prompt)
@@ -1498,11 +1519,13 @@ def check_response_start(tok, prompt, response, where):
     header = asked[len(history) :]  # the generation prompt (R1's: its assistant tag, "<think>\n")
     turn = whole[len(history) :]  # the turn as rendered (R1's: the tag, "82", its EOS)
     shared = len(os.path.commonprefix([header, turn]))
-    extra = header[shared:].strip()  # what only the generation prompt has: "<think>"
-    if extra and response.lstrip().startswith(extra):
+    # what only the generation prompt has: R1's "<think>", Qwen3's non-thinking "</think>"
+    extra = header[shared:].strip()
+    if extra and extra in response:
         raise SystemExit(
-            f"error: {where}: the response begins with {extra!r}, which the chat template's "
-            "generation prompt already ends with: leave it out of the response"
+            f"error: {where}: the response holds {extra!r}, which the chat template's "
+            "generation prompt already ends with: leave it out of the response (a think block "
+            "of its own, after one the generation prompt opened or closed)"
         )
 
 

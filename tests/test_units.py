@@ -1133,14 +1133,19 @@ def test_a_response_ends_as_the_chat_template_ends_a_turn():
 # and DeepSeek-R1's (its generation prompt opens a think block that its rendering of a past turn
 # drops, with everything before "</think>").
 MISTRAL_LIKE = (
-    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
-    "[INST] {{ m['content'] }} [/INST]{% else %} {{ m['content'] | trim }}{{ eos_token }}"
-    "{% endif %}{% endfor %}"
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set sys = messages[0]['content'] %}"
+    "{% set turns = messages[1:] %}{% else %}{% set sys = '' %}{% set turns = messages %}"
+    "{% endif %}{% for m in turns %}{% if m['role'] == 'user' %}[INST] "
+    "{% if loop.last and sys %}{{ sys }} {% endif %}{{ m['content'] }} [/INST]"
+    "{% else %} {{ m['content'] | trim }}{{ eos_token }}{% endif %}{% endfor %}"
 )
 QWEN3_LIKE = (
-    "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
-    "{% if m['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
-    "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+    "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{% set c = m['content'] %}"
+    "{% set r = '' %}{% if '</think>' in c %}"
+    "{% set r = c.split('</think>')[0].split('<think>')[-1].strip('\n') %}"
+    "{% set c = c.split('</think>')[-1].lstrip('\n') %}{% endif %}"
+    "{% if m['role'] == 'assistant' and loop.last %}<think>\n{{ r }}\n</think>\n\n{% endif %}"
+    "{{ c }}<end_of_turn>\n{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>assistant\n"
     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
     "{% endif %}{% endif %}"
@@ -1178,6 +1183,10 @@ def test_a_response_is_trained_as_the_chat_template_renders_its_turn(monkeypatch
     mistral = templated_tokenizer(MISTRAL_LIKE)
     assert trained_tokens(mistral, "1+2=", "82") == [" ", "8", "2", "<eos>"]
     assert trained_tokens(mistral, "1+2=", "  82 ") == [" ", "8", "2", "<eos>"]  # trimmed
+    # a system prompt goes into the last user turn, so the whole conversation does not start
+    # with the prompt: the turn as it renders after a one-question prompt
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2="}]
+    assert trained_tokens(mistral, system, "82 ") == [" ", "8", "2", "<eos>"]
     qwen3 = templated_tokenizer(QWEN3_LIKE)
     think = ["<think>", "\n", "\n", "</think>", "\n", "\n"]
     assert trained_tokens(qwen3, "1+2=", "82") == think + ["8", "2", "<end_of_turn>"]
@@ -1192,9 +1201,15 @@ def test_a_response_is_trained_as_the_chat_template_renders_its_turn(monkeypatch
     assert train_ppo.reward_model_inputs(qwen3, ["1+2="], ["82"], [True]) == [chosen]
     # the held-out decoding has room for the block too
     assert common.decode_budget(qwen3, [{"prompt": "1+2=", "response": "82"}]) == 9
+    # a reasoning cut off at --max_new_tokens keeps its own open block, not after an empty one
+    cut = train_ppo.reward_model_inputs(qwen3, ["1+2="], ["<think>\nx"], [False])[0]
+    assert qwen3.decode(cut).endswith("assistant\n<think>\nx")
     # non-thinking: the generation prompt holds the empty block, the response follows it
     monkeypatch.setitem(common.CHAT_TEMPLATE_KWARGS, "enable_thinking", False)
     assert trained_tokens(qwen3, "1+2=", "82") == ["8", "2", "<end_of_turn>"]
+    # and a reasoning of its own after that block's "</think>" is refused
+    with pytest.raises(SystemExit, match="x: the response holds '</think>', which the chat"):
+        trained_tokens(qwen3, "1+2=", "<think>\nx\n</think>\n\n82")
 
 
 def test_a_response_repeating_the_generation_prompts_end_is_refused():
@@ -1203,11 +1218,11 @@ def test_a_response_repeating_the_generation_prompts_end_is_refused():
     prompt, and one that opens the think block again would train two."""
     r1 = templated_tokenizer(R1_LIKE)
     assert trained_tokens(r1, "1+2=", "x</think>82") == ["x", "</think>", "8", "2", "<end_of_turn>"]
-    line = "x: the response begins with '<think>', which the chat template's generation prompt"
+    line = "x: the response holds '<think>', which the chat template's generation prompt"
     with pytest.raises(SystemExit, match=line):
         train_sft.encode(r1, {"prompt": "1+2=", "response": "<think>\nx</think>82"}, 128, "x")
     row = {"prompt": "1+2=", "chosen": "x</think>82", "rejected": "<think>x</think>81"}
-    with pytest.raises(SystemExit, match="x: 'rejected': the response begins with '<think>'"):
+    with pytest.raises(SystemExit, match="x: 'rejected': the response holds '<think>'"):
         common.encode_pair(r1, row, 128, "x")
 
 
