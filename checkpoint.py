@@ -830,6 +830,11 @@ def _read_manifest(path):
     return manifest
 
 
+def checkpoint_bytes(path):
+    """The bytes of a committed checkpoint's files, from its manifest (nothing else read)."""
+    return sum(entry["size"] for entry in _read_manifest(path)["files"].values())
+
+
 def _verify_store(path):
     """verify() for a checkpoint on a store: its manifest exists (the commit), lists exactly the
     objects under the prefix, each of plain relative name, of the listed size and sha256 (read no

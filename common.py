@@ -2847,7 +2847,9 @@ def finish(args, step, final, role=None):
     line. A failed export ends every rank (rank 0 with the line saying why)."""
     hf = os.path.join(args.out_dir, "hf")
     error = None
-    if dist.get_rank() == 0 and step == args.max_steps and final:
+    exporting = step == args.max_steps and bool(final)
+    waiting = export_wait_group(args, final, exporting)
+    if dist.get_rank() == 0 and exporting:
         try:
             checkpoint.export(final, hf, role)
         # a full disk, a removed folder, a shard DCP cannot read (its CheckpointException is
@@ -2860,7 +2862,8 @@ def finish(args, step, final, role=None):
             )
     outcome = [error]
     # Every rank ends the same way: none left waiting in a collective for a rank 0 that has failed.
-    dist.broadcast_object_list(outcome, src=0)
+    dist.broadcast_object_list(outcome, src=0, group=waiting)
+    dist.destroy_process_group(waiting)
     if outcome[0] and dist.get_rank() == 0:
         raise SystemExit(outcome[0])
     if outcome[0]:
@@ -2868,6 +2871,24 @@ def finish(args, step, final, role=None):
     upload_logs(args)
     if step == args.max_steps and final:  # (a run stopped early said so in `end_of_step`)
         print0(f"done: {step} steps; checkpoint {final}; model {hf}{peak_gpu_memory()}")
+
+
+def export_wait_group(args, final, exporting):
+    """Collective: a gloo group for the other ranks' wait on rank 0's export, with a limit of
+    its own: --timeout_minutes, plus a minute per GB of the final checkpoint. The export verifies
+    every file of the checkpoint (optimizer state too), reads the model and writes it, in one
+    process (~17 MB/s allowed, below any disk's): for a large model that outlasted the default
+    group's limit, and a run that had finished failed at its end (rank 0 stopped mid-export)."""
+    size = [0]
+    if dist.get_rank() == 0 and exporting:
+        try:
+            size[0] = checkpoint.checkpoint_bytes(final)
+        except (checkpoint.CheckpointError, OSError):  # the export says what is wrong with it
+            size[0] = 0
+    # every rank waits as long as rank 0 may take
+    dist.broadcast_object_list(size, src=0)
+    minutes = args.timeout_minutes + size[0] / 1e9
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=minutes))
 
 
 def peak_gpu_memory():

@@ -1047,6 +1047,13 @@ def test_an_export_prints_its_one_line(tmp_path, sft_checkpoint):
     assert os.stat(tmp_path / "hf" / "model.safetensors").st_mode == config_mode
 
 
+def test_checkpoint_bytes_are_its_files_sizes(sft_checkpoint):
+    """What the other ranks' wait for rank 0's export grows with (`common.export_wait_group`)."""
+    listed = checkpoint._read_manifest(sft_checkpoint)["files"]
+    on_disk = sum(os.path.getsize(os.path.join(sft_checkpoint, rel)) for rel in listed)
+    assert checkpoint.checkpoint_bytes(sft_checkpoint) == on_disk > 0
+
+
 def test_an_export_of_a_generation_config_transformers_will_not_save_is_one_line(
     tmp_path, sft_checkpoint
 ):
