@@ -2883,7 +2883,8 @@ def export_wait_group(args, final, exporting):
     if dist.get_rank() == 0 and exporting:
         try:
             size[0] = checkpoint.checkpoint_bytes(final)
-        except (checkpoint.CheckpointError, OSError):  # the export says what is wrong with it
+        # the store unreachable, a damaged manifest: the export says what is wrong with it
+        except (checkpoint.CheckpointError, OSError, objstore.StoreError):
             size[0] = 0
     # every rank waits as long as rank 0 may take
     dist.broadcast_object_list(size, src=0)
