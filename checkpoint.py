@@ -1399,15 +1399,15 @@ def _check_every_rank_listed(final, files, world):
 def _prune(root, step, keep_last):
     """Now that step-N is committed, keep the keep_last newest up to it (0: keep all). Checkpoints
     newer than step-N are an abandoned branch (a run resumed from before them): they stay until
-    this run overwrites them. So do those older than step-N that are not this run's history
-    (`_of_this_history`), and they are not counted: a step-6 that `--resume latest` passed over
-    as damaged, counted as kept, had this run's step-3, which it resumed from, pruned, leaving
-    one checkpoint that verifies where --keep_last 2 promised two."""
+    this run overwrites them. Those older than step-N that are not this run's history
+    (`_of_this_history`: another branch's, or one `--resume latest` passed over as damaged) are
+    pruned but never counted: a damaged step-6 counted as kept had this run's step-3, which it
+    resumed from, pruned, leaving one checkpoint that verifies where --keep_last 2 promised two."""
     if not keep_last:
         return
     try:
         names, _ = _step_dirs(root)
-        older = [n for n in names if _step_of(n) < step and _of_this_history(n)]  # newest first
+        older = [n for n in names if _step_of(n) < step]  # newest first
         if objstore.is_url(root):
             # a store lists a failed save's prefix too (no manifest: never resumed from, deleted
             # at the next start); counted here, it would push a committed checkpoint out
@@ -1416,8 +1416,9 @@ def _prune(root, step, keep_last):
     except (CheckpointError, OSError, objstore.StoreError) as e:
         print(f"WARNING: pruning old checkpoints skipped ({e}); the next save retries", flush=True)
         return
-    # step-N is the newest kept: keep_last - 1 older ones stay with it
-    pruned = older[keep_last - 1 :]
+    # step-N is the newest kept: keep_last - 1 older ones of this run's history stay with it
+    history = [n for n in older if _of_this_history(n)]
+    pruned = history[keep_last - 1 :] + [n for n in older if n not in history]
     for name in pruned:
         if not objstore.is_url(root):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
@@ -1487,8 +1488,8 @@ def resolve(out_dir, resume):
     root = os.path.join(out_dir, "checkpoints")
     _run["branch"] = _branch_of(path, root)
     _run["since"] = 0  # the step this run's history reaches to before its own saves
-    if _run["branch"]:
-        _run["since"] = _step_of(_run["branch"])
+    if _run["branch"]:  # its manifest's: a copy under another name (`best/`) may be resumed
+        _run["since"] = _read_manifest(path)["step"]
     _run["written"] = set()
     _run["branch_start"] = None
     if mode == resume and resume not in ("", "latest") and _run["branch"]:

@@ -777,20 +777,21 @@ def test_keep_last_counts_only_this_runs_history(tmp_path, monkeypatch):
     """--resume latest passed over a damaged step-6 and resumed from step-3; at step 8 the
     pruning counted step-6 as a kept checkpoint and deleted step-3: one checkpoint that
     verifies where --keep_last 2 promised two. A checkpoint newer than the resume point and not
-    written by this run is not counted now, nor pruned (`checkpoint._of_this_history`)."""
+    written by this run is not counted now, and pruned once the run is past it
+    (`checkpoint._of_this_history`)."""
     root = tmp_path / "checkpoints"
     for k in (1, 2, 3, 6, 8):
         (root / f"step-{k:08d}").mkdir(parents=True)
     monkeypatch.setitem(checkpoint._run, "since", 3)
     monkeypatch.setitem(checkpoint._run, "written", {"step-00000008"})
+    (root / "step-00000010").mkdir()  # an abandoned branch's, newer: it stays
     checkpoint._prune(str(root), 8, 2)
-    left = sorted(os.listdir(root))
-    assert left == ["step-00000003", "step-00000006", "step-00000008"]
+    assert sorted(os.listdir(root)) == ["step-00000003", "step-00000008", "step-00000010"]
     # this run's own saves count: at step 9, step-8 is kept with it, and step-3 goes
     (root / "step-00000009").mkdir()
     monkeypatch.setitem(checkpoint._run, "written", {"step-00000008", "step-00000009"})
     checkpoint._prune(str(root), 9, 2)
-    assert sorted(os.listdir(root)) == ["step-00000006", "step-00000008", "step-00000009"]
+    assert sorted(os.listdir(root)) == ["step-00000008", "step-00000009", "step-00000010"]
 
 
 def test_a_crafted_manifest_cannot_make_a_users_folder_an_export(tmp_path):

@@ -641,6 +641,20 @@ def test_a_branch_that_fails_before_its_first_save_leaves_latest_at_its_start(co
     assert all(r["train/lr"] < 1 for r in metrics(copy))  # no row of the branch's --lr 1e20
 
 
+def test_a_copy_under_another_name_resumes(copy, addition_jsonl):
+    """A checkpoint copied to checkpoints/best may be resumed (its step comes from its
+    manifest, not its name): --keep_last's count of the run's history read the step from the
+    name, a ValueError traceback at the start."""
+    best = os.path.join(copy, "checkpoints", "best")
+    shutil.copytree(os.path.join(copy, "checkpoints", "step-00000002"), best)
+    flags = ("--resume", best, "--keep_last", 1, "--max_steps", 6)
+    p = run("train_sft.py", *sft(copy, addition_jsonl, *flags))
+    assert f"resumed from {best} at step 2" in p.stdout + p.stderr
+    # steps 4 and 6 saved by this run; 1 kept: its own newest, and the copy (no step name) stays
+    left = sorted(os.listdir(os.path.join(copy, "checkpoints")))
+    assert [n for n in left if n != "latest"] == ["best", "step-00000006"], left
+
+
 def test_a_crafted_hf_folder_in_a_checkpoint_is_one_line_on_export(copy, tmp_path):
     """checkpoint.py export loads the checkpoint's hf/ with transformers: a config field of the
     wrong value (the manifest rewritten to match) raised a ZeroDivisionError, not the line."""
