@@ -1689,9 +1689,14 @@ def greedy_accuracy(model, tok, examples, stop_ids, device, batch_size=64):
             eos_token_id=stop_ids,  # every id the model may end a response with
         )
         texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        # against the response as trained: as the chat template renders it (`response_text`)
-        wanted = [response_text(tok, e["prompt"], e["response"]).strip() for e in chunk]
-        right += [t.strip() == w for t, w in zip(texts, wanted)]
+        # against the response as trained (the chat template's rendering, `encode_response`),
+        # decoded as the generated ids are: a special token the rendering opens with is dropped
+        # on both sides
+        wanted = [
+            tok.decode(encode_response(tok, e["prompt"], e["response"]), skip_special_tokens=True)
+            for e in chunk
+        ]
+        right += [t.strip() == w.strip() for t, w in zip(texts, wanted)]
     model.train(was_training)
     # every rank decoded a share: the accuracy is over all of them
     totals = global_sums({"right": sum(right[:counted]), "examples": counted}, device)

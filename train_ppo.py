@@ -1122,11 +1122,12 @@ def score(args, tok, models, rows, responses, finished, device):
     reward model's score of its own tokenisation of it, normalised with its config's
     reward_mean and reward_std unless --reward_norm false. Collective with a reward model (a
     sharded forward). rows [B]: each sample's data row."""
-    texts = tok.batch_decode(responses, skip_special_tokens=True)
     if models.reward_model is None:
+        texts = tok.batch_decode(responses, skip_special_tokens=True)
         return rule_reward(args, rows, texts)
     data_prompts = [row["prompt"] for row in rows]
     reward_tok = models.reward_tokenizer
+    texts = written_texts(tok, responses, finished)
     sequences = reward_model_inputs(reward_tok, data_prompts, texts, finished)
     check_reward_context(args.reward_model, models.reward_context, sequences, data_prompts)
     scores = reward_model_scores(
@@ -1141,6 +1142,20 @@ def score(args, tok, models, rows, responses, finished, device):
     problem = f"reward_mean {mean!r} and reward_std {std!r} take a score out of float32's range"
     check_finite_scores(normalised, f"{where}/config.json: {problem}")
     return normalised, {}
+
+
+def written_texts(tok, responses, finished):
+    """The responses' texts for the reward model: decoded with their special tokens, less the stop
+    id a finished one ends with (`reward_model_inputs` puts the reward model's own end there).
+    A chat template's turn may open with a special token (its channel header): kept, the
+    template's rendering finds it in place (`common.response_text`) and does not add it again,
+    where a text decoded without it got the header's words twice."""
+    texts = []
+    for ids, ended in zip(responses, finished):
+        if ended:
+            ids = ids[:-1]
+        texts.append(tok.decode(ids, skip_special_tokens=False))
+    return texts
 
 
 def check_finite_scores(scores, line):

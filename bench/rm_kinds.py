@@ -121,6 +121,9 @@ def main(rm_dir, policy_dir=None):
     torch.set_num_threads(2)
     tok = AutoTokenizer.from_pretrained(rm_dir)
     model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    # transformers refuses batches without a pad id, which an export whose PAD ends every
+    # sequence leaves out (train_rm.py: SavedConfig); the scores here read the mask, as PPO's
+    model.config.pad_token_id = tok.pad_token_id
     for kind, (share, n) in by_kind(model, tok).items():
         print(f"held-out, {kind}: {share:.1%} of {n} pairs ranked right")
     if policy_dir:

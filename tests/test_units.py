@@ -1159,6 +1159,14 @@ R1_LIKE = (
 )
 
 
+CHANNEL_LIKE = (  # GPT-OSS's way: the answer's turn opens with a special token and a header
+    "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}<start_of_turn>final\n{% endif %}"
+    "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>assistant\n{% endif %}"
+)
+
+
 def templated_tokenizer(template, **special):
     """gemma_style_tokenizer's characters and special tokens under another template, with
     Qwen3's "<think>" and "</think>" as added (not special) tokens."""
@@ -1210,6 +1218,21 @@ def test_a_response_is_trained_as_the_chat_template_renders_its_turn(monkeypatch
     # and a reasoning of its own after that block's "</think>" is refused
     with pytest.raises(SystemExit, match="x: the response holds '</think>', which the chat"):
         trained_tokens(qwen3, "1+2=", "<think>\nx\n</think>\n\n82")
+
+
+def test_a_turn_opening_with_a_special_token_reaches_the_reward_model_once():
+    """A template whose answer opens with a special token and a header (GPT-OSS's channel): PPO
+    decoded samples without special tokens, and the reward model's input got the header's words
+    twice ("final\\nfinal\\n82"); the held-out comparison kept the special token its decoded
+    answer drops, so it never matched."""
+    tok = templated_tokenizer(CHANNEL_LIKE)
+    row = {"prompt": "1+2=", "chosen": "82", "rejected": "81"}
+    (chosen, n_prompt), _ = common.encode_pair(tok, row, 128, "x")
+    sampled = chosen[n_prompt:]  # what a policy trained on it writes, its end of turn included
+    texts = train_ppo.written_texts(tok, [sampled], [True])
+    assert train_ppo.reward_model_inputs(tok, ["1+2="], texts, [True]) == [chosen]
+    ids = common.encode_response(tok, "1+2=", "82")
+    assert tok.decode(ids, skip_special_tokens=True) == "final\n82"  # as greedy_accuracy compares
 
 
 def test_a_response_repeating_the_generation_prompts_end_is_refused():
