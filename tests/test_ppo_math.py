@@ -312,7 +312,8 @@ def test_reward_model_reads_its_own_tokens_at_the_last_real_token(tmp_path):
     args = types.SimpleNamespace(reward_model=str(tmp_path), micro_batch_size=8)
     models = types.SimpleNamespace(reward_model=model, reward_tokenizer=tok, reward_context=1024)
     rows = [{"prompt": "1+2="}, {"prompt": "10+20="}]
-    responses = [tok("3").input_ids, tok("30 and more").input_ids]
+    # as the engines give them: a finished response ends with its stop id (`written_texts`)
+    responses = [tok("3").input_ids + [tok.eos_token_id], tok("30 and more").input_ids]
     with torch.no_grad():
         models.reward_norm = None
         raw, _ = ppo.score(args, tok, models, rows, responses, [True, False], "cpu")
