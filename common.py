@@ -1479,10 +1479,7 @@ def turn_end(tok):
     """The text the chat template renders after an assistant turn's content (ChatML's
     "<|im_end|>\n", Llama 3's "<|eot_id|>"), whose first token response_end_id appends; None where
     it renders no assistant turn with its content."""
-    template = tok.chat_template
-    if isinstance(template, dict):  # named templates: as in response_end_id
-        template = tuple(sorted(template.items()))
-    return _turn_end(tok, template, json.dumps(CHAT_TEMPLATE_KWARGS, sort_keys=True))
+    return _turn_end(tok, *template_key(tok))
 
 
 @functools.cache  # per tokenizer, template and its variables (asked once per response)
@@ -2493,13 +2490,19 @@ def response_end_id(tok):
     <end_of_turn>, Phi-3's <|end|>), that token, which may not be the tokenizer's EOS (Gemma's
     <eos>, Qwen2.5 base's <|endoftext|>): a model tuned from a chat model keeps ending its turns
     as it was taught. Otherwise, and without a template, the tokenizer's EOS."""
+    return _response_end_id(tok, *template_key(tok))
+
+
+def template_key(tok):
+    """(template, variables) as a hashable key for the caches of what a tokenizer's chat
+    template renders (`_response_end_id`, `_turn_end`): both can change within a process (a
+    test's, `--chat_template_kwargs`). Named templates (chat_template.jinja beside
+    additional_chat_templates/, Command-R's "default" and "tool_use"), a dict, become a tuple:
+    transformers renders the "default" one."""
     template = tok.chat_template
     if isinstance(template, dict):
-        # named templates (chat_template.jinja beside additional_chat_templates/, Command-R's
-        # "default" and "tool_use"): transformers renders the "default" one; the cache needs
-        # a hashable key
         template = tuple(sorted(template.items()))
-    return _response_end_id(tok, template, json.dumps(CHAT_TEMPLATE_KWARGS, sort_keys=True))
+    return template, json.dumps(CHAT_TEMPLATE_KWARGS, sort_keys=True)
 
 
 @functools.cache  # per tokenizer, template and its variables (SFT asks once per example)
