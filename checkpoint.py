@@ -2122,10 +2122,25 @@ def _same_kind(value, like):
 
 # ---- export: a checkpoint's model as an HF folder ------------------------------------------------
 def _empty_model(hf, role):
-    """The `role` model built from the checkpoint's hf/config.json, its weights not yet loaded:
-    the critic as a token-classification (value) model, the reward model as a
+    """The `role` model built from the checkpoint's hf/config.json, its weights allocated but not
+    yet loaded: the critic as a token-classification (value) model, the reward model as a
     sequence-classification model (its config carries reward_mean and reward_std), else a causal
     LM. Never runs code from the folder."""
+    # Built on the meta device, then given empty CPU memory: from_config's random initialisation
+    # costs ~6 s per billion parameters here, all of it overwritten by the checkpoint's load.
+    # Every tensor save_pretrained writes is in the state dict DCP fills (a key missing from the
+    # checkpoint is an error there); the non-persistent buffers (RoPE's inv_freq) stay garbage,
+    # which nothing saves. to_empty gives each parameter its own memory, so a tied head is tied
+    # again (else it would be saved as a second tensor).
+    with torch.device("meta"):
+        model = _model_of_role(hf, role)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    return model
+
+
+def _model_of_role(hf, role):
+    """_empty_model's model, on the device in use."""
     from transformers import AutoConfig
     from transformers import AutoModelForCausalLM
     from transformers import AutoModelForSequenceClassification

@@ -1048,6 +1048,35 @@ def test_an_export_prints_its_one_line(tmp_path, sft_checkpoint):
     assert os.stat(tmp_path / "hf" / "model.safetensors").st_mode == config_mode
 
 
+@pytest.mark.parametrize("role", ["policy", "critic", "reward_model"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_an_export_builds_the_model_without_initialising_it(tmp_path, role, tied):
+    """export() builds its model on the meta device and gives it empty memory (a random
+    initialisation of every weight, overwritten by the load, cost ~6 s per billion parameters):
+    the same tensors as from_config's, by name and shape, a tied head tied again (to_empty gives
+    it memory of its own; saved, it would be a second tensor)."""
+    from transformers import Qwen2Config
+
+    Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    ).save_pretrained(tmp_path)
+    model = checkpoint._empty_model(str(tmp_path), role)
+    reference = checkpoint._model_of_role(str(tmp_path), role)  # on the CPU, initialised
+    assert type(model) is type(reference)
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    assert shapes == {k: v.shape for k, v in reference.state_dict().items()}
+    assert all(v.device.type == "cpu" for v in model.state_dict().values())
+    if role == "policy":
+        head = model.get_output_embeddings().weight
+        assert (head is model.get_input_embeddings().weight) == tied
+
+
 def test_checkpoint_bytes_are_its_files_sizes(sft_checkpoint):
     """What the other ranks' wait for rank 0's export grows with (`common.export_wait_group`)."""
     listed = checkpoint._read_manifest(sft_checkpoint)["files"]
