@@ -99,7 +99,7 @@ class Args(common.RunArgs):
     gamma: float = 1.0
     """GAE discount [N policy #6]"""
     lam: float = 0.95
-    """GAE lambda [N policy #6]"""
+    """GAE lambda (Schulman et al. 2016, eq. 16; 0.95 as N+'s and TRL's)"""
     cliprange: float = 0.2
     """PPO ratio clip epsilon: the ratio is clipped to [1 - eps, 1 + eps]"""
     cliprange_high: float = 0.0
@@ -118,13 +118,16 @@ class Args(common.RunArgs):
     kl_estimator: typing.Literal["k1", "k3"] = "k1"
     """gae and rloo: the per-token KL in the reward (Schulman 2020, "Approximating KL
     divergence"; TRL's kl_estimator): k1, log pi - log pi_ref; k3, r - 1 - log r with r = pi_ref /
-    pi, never negative, less variance. Both unbiased; objective/kl logs k1 either way. grpo's KL
-    is its k3 loss term (eq. 4)"""
+    pi, never negative, less variance. Both estimate the KL's value without bias, but only k1,
+    as a reward, has the policy gradient of KL(pi || pi_ref); k3's is biased (Tang and Munos
+    2025, arXiv 2506.09477). objective/kl logs k1 either way. grpo's KL is its k3 loss term
+    (eq. 4)"""
     missing_eos_penalty: float = 1.0
-    """subtracted from the score of a response cut at max_new_tokens without EOS [N policy #5]"""
+    """subtracted from the score of a response cut at max_new_tokens without EOS, as TRL's
+    missing_eos_penalty (N23 replaces the score by -1 instead) [N policy #5]"""
     whiten_rewards: bool = False
     """whiten the per-token rewards before GAE, their mean kept: (r - mean) / std + mean, as
-    TRL's `whiten(shift_mean=False)` [N policy #9]"""
+    OpenAI's whiten(shift_mean=False) (a biased std; TRL's is unbiased) [N policy #9]"""
     reward_fn: str = "task:reward_fn"
     """module:function(prompt, response) -> float, the rule reward (used unless --reward_model);
     parameters after those two get the data row's fields of their names (`answer`, say), or all
@@ -259,7 +262,10 @@ def kl_k3(logprobs, ref_logprobs, mask):
     """The per-token KL to the reference, k3 estimator: r - 1 - log r at each sampled token, with
     r = pi_ref(y_t) / pi(y_t) (Schulman 2020): unbiased as k1 (E[r] = 1 under pi), never
     negative (a token pi_ref likes more is not a negative penalty, as under k1), and of less
-    variance while the two policies are close. All [B, R]."""
+    variance while the two policies are close. Unbiased for the KL's value only: its gradient is
+    not the KL's (Tang and Munos 2025; Liu et al. 2025, arXiv 2510.01555): as a reward it is
+    biased, and as GRPO's loss (`kl_loss`) it pulls, on-policy, by the gradient of
+    KL(pi_ref || pi), the other direction. All [B, R]."""
     # Masked before exp: at padding columns logprobs can be very negative, exp overflows to inf,
     # and inf * 0 is NaN.
     log_ratio = (ref_logprobs - logprobs) * mask
@@ -306,7 +312,7 @@ def compute_gae(rewards, values, mask, gamma, lam):
 def sequence_rewards(scores, kl, kl_coef):
     """RLOO's reward of a whole response, its score less beta times its summed KL,
         R(x, y) = r(x, y) - beta sum_t KL_t
-    (Ahmadian et al. 2024, sec. 3: the whole response is one action, so its KL penalty is one
+    (Ahmadian et al. 2024, sec. 3.3: the whole response is one action, so its KL penalty is one
     number too; TRL's RLOO). scores [B], kl [B, R] -> [B]."""
     return scores - kl_coef * kl.sum(1)
 
@@ -325,7 +331,8 @@ def group_advantages(scores, kind, scale="group", batch_std=None):
     sec. 3.1: the division weighs most the prompts the policy nearly always or never gets right;
     Dr. GRPO's other change, a constant in place of the token count in the loss's mean, is not
     made: `policy_loss` averages over the global batch's tokens, as DAPO and TRL's default).
-    rloo: s - mean of the other n-1 samples (Ahmadian et al. 2024, eq. 6)."""
+    rloo: s - mean of the other n-1 samples (Ahmadian et al. 2024, sec. 2.3, after Kool et al.
+    2019)."""
     n = scores.shape[1]
     if kind == "rloo":
         return scores - (scores.sum(1, keepdim=True) - scores) / (n - 1)
@@ -366,8 +373,10 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, n_tokens, c
 
 
 def kl_loss(logprobs, ref_logprobs, mask, n_tokens):
-    """GRPO's KL term (Shao et al. 2024, eq. 4), the unbiased, non-negative k3 estimator:
-    pi_ref/pi - log(pi_ref/pi) - 1 per token (`kl_k3`), averaged over tokens. [B, R]."""
+    """GRPO's KL term (Shao et al. 2024, eq. 4), the non-negative k3 estimator, unbiased for the
+    KL's value: pi_ref/pi - log(pi_ref/pi) - 1 per token (`kl_k3`), averaged over tokens. Its
+    gradient, on-policy, is that of KL(pi_ref || pi), not of the KL(pi || pi_ref) eq. 4 names
+    (Liu et al. 2025, arXiv 2510.01555): as in TRL and the paper, kept. [B, R]."""
     return masked_mean(kl_k3(logprobs, ref_logprobs, mask), mask, n_tokens)
 
 
@@ -401,8 +410,10 @@ def eos_penalized(scores, finished, penalty):
 
 
 def update_kl_coef(kl_coef, kl, target, n_responses, horizon=10000):
-    """Adaptive KL controller (Ziegler et al. 2019, sec. 2.2): proportional error clipped to
-    +-0.2."""
+    """Adaptive KL controller (Ziegler et al. 2019, sec. 2.2): beta <- beta (1 + K_beta e), the
+    proportional error e clipped to +-0.2, in the horizon form of lm-human-preferences'
+    AdaptiveKLController [N policy #11]: K_beta = n_responses / horizon (0.0256 at the defaults,
+    64 x 4 / 10000; the paper's is 0.1)."""
     error = min(max(kl / target - 1, -0.2), 0.2)
     return kl_coef * (1 + error * n_responses / horizon)
 
@@ -762,6 +773,13 @@ def check_task_prompts(spec, flag, rows):
             )
 
 
+# What gae and rloo divide their advantages by, for --scale_rewards' refusal (grpo's flag)
+SCALED_BY = {
+    "gae": "gae whitens its advantages over the batch (`masked_whiten`)",
+    "rloo": "rloo divides its advantages by no std",
+}
+
+
 def check_args(args, world):
     n = args.n_samples_per_prompt
     if (
@@ -787,7 +805,7 @@ def check_args(args, world):
     if args.scale_rewards != "group" and args.advantage_estimator != "grpo":
         raise SystemExit(
             f"error: --scale_rewards {args.scale_rewards} applies to --advantage_estimator grpo "
-            f"only; {args.advantage_estimator} divides its advantages by no std"
+            f"only; {SCALED_BY[args.advantage_estimator]}"
         )
 
 

@@ -728,7 +728,9 @@ def test_scale_rewards_outside_grpo_is_refused(estimator):
     import train_ppo
 
     args = train_ppo.Args(advantage_estimator=estimator, scale_rewards="none")
-    line = f"--scale_rewards none applies to --advantage_estimator grpo only; {estimator} "
+    # what the estimator does instead (gae's was said to divide by no std, as rloo's)
+    does = {"gae": "gae whitens its advantages over the batch", "rloo": "rloo divides its advan"}
+    line = f"--scale_rewards none applies to --advantage_estimator grpo only; {does[estimator]}"
     with pytest.raises(SystemExit, match=line):
         train_ppo.check_args(args, 1)
     train_ppo.check_args(train_ppo.Args(advantage_estimator="grpo", scale_rewards="batch"), 1)

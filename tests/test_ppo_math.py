@@ -200,7 +200,7 @@ def test_group_baselines():
 
 
 def test_group_baselines_scaled_by_the_batch_or_not_at_all():
-    """--scale_rewards: the group's mean always; the group's std (eq. 3), the whole batch's, or
+    """--scale_rewards: the group's mean always; the group's std (sec. 4.1.2), the whole batch's, or
     none (Dr. GRPO). Two groups, 1 0 0 1 and 1 1 1 0: centred 0.5 -0.5 -0.5 0.5 and 0.25 0.25
     0.25 -0.75; the batch's five 1s and three 0s have the unbiased variance
     (5 (3/8)^2 + 3 (5/8)^2) / 7 = 120 / 448."""
