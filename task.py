@@ -128,8 +128,10 @@ def sum_operands(prompt):
 
 # ---- the tiny model's assets ---------------------------------------------------------------------
 # A character-level tokenizer: one token per printable ASCII character, and four specials. PAD is
-# its own token, distinct from EOS (Huang et al. 2023, "N implementation details", general #2):
-# with pad == eos the EOS gets masked out and the model never learns to stop.
+# its own token, distinct from EOS, as OpenAI's lm-human-preferences pads (Huang et al. 2023, "N
+# implementation details", general #2). plainrlhf builds every mask from lengths, so PAD == EOS
+# is safe too (a real model's base tokenizer often has it); a collator that masked by id would
+# drop the EOS, and the model would never learn to stop.
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = [chr(c) for c in range(32, 127)]
 

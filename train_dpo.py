@@ -306,7 +306,8 @@ def main(args):
     # The policy stays in eval mode (from_pretrained's), dropout off, as in the DPO authors' code
     # (`disable_dropout`) and TRL's (`disable_dropout=True`): the implicit reward
     # β·log(π/π_ref) then compares the two models themselves, not a dropout mask, and at step 1
-    # h = 0 and the sigmoid loss is exactly log 2 for any model (ipo: 1/(4β²)).
+    # h = 0 and the sigmoid loss is log 2 for any model (ipo: 1/(4β²)), up to the rounding of the
+    # two forwards' kernels (exactly, with eager attention: README, train_dpo.py).
     model.eval()
     # The model folder's generation_config goes to the export (with the responses' end among its
     # stop ids); greedy evaluation runs with no decoding defaults of the model's own (cf.

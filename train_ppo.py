@@ -395,9 +395,10 @@ def value_loss(values, old_values, returns, mask, cliprange_value, n_tokens):
 
 def normalised_scores(scores, mean, std):
     """(score - mean) / std, with the reward model's mean and std over reference responses
-    (recorded by train_rm.py: the chosen responses of training pairs, as summarize-from-feedback
-    uses its dataset's reference summaries; Ziegler et al. 2019 use samples of the initial policy)
-    so that such responses score mean 0 and variance 1 [N RM #3]. A --kl_coef then weighs the KL
+    (recorded by train_rm.py: the chosen responses of training pairs, where Ziegler et al. 2019
+    use samples of the initial policy [N RM #3], and Stiennon et al. 2020 set the mean of their
+    dataset's reference summaries to 0, sec. 3.4) so that such responses score mean 0 and
+    variance 1. A --kl_coef then weighs the KL
     against a score of unit scale, whatever the reward model's own scale. Under GAE the offset
     from the policy's own samples lands on the last token, where the critic absorbs it; grpo and
     rloo subtract a group baseline, which cancels it. scores [B]."""

@@ -156,8 +156,10 @@ def pair_margin(where, row, margin, given=False):
 def bradley_terry_loss(r_chosen, r_rejected, margin, n_pairs):
     """-log sigmoid(r(x, y_c) - r(x, y_r) - margin), summed over this micro-batch's pairs and
     divided by n_pairs, the pairs of the whole global batch (Stiennon et al. 2020, eq. 1; Ouyang
-    et al. 2022, eq. 1; the margin as in Llama 2, Touvron et al. 2023, eq. 2). r_* [b]; margin
-    a number or one per pair [b]."""
+    et al. 2022, eq. 1, without its per-prompt 1/C(K,2) weight and batching: each pair weighs the
+    same, and a prompt's pairs are shuffled apart, which InstructGPT reports overfit its reward
+    model; the margin as in Llama 2, Touvron et al. 2023, eq. 2). r_* [b]; margin a number or
+    one per pair [b]."""
     return -F.logsigmoid(r_chosen - r_rejected - margin).sum() / n_pairs
 
 
@@ -281,8 +283,10 @@ def evaluate(model, pairs, pad_id, batch_size, device):
 @torch.no_grad()
 def reward_stats(model, sequences, pad_id, batch_size, device):
     """(mean, std) of r over `sequences` (chosen responses of the training data): what PPO
-    subtracts and divides by, so that a --kl_coef means the same for any reward model (the
-    normalisation of Ziegler et al. 2019 and Stiennon et al. 2020 [N RM #3]). Two passes, like
+    subtracts and divides by, so that a --kl_coef means the same for any reward model: mean 0
+    and std 1 as Ziegler et al. 2019 [N RM #3], who take them over samples of the initial
+    policy; here over chosen training responses, the analogue of the reference summaries on
+    which Stiennon et al. 2020 (sec. 3.4) set the mean alone to 0. Two passes, like
     train_ppo.py's whitening, and like it the biased std (over n; OpenRLHF's is over n - 1, a
     relative difference of 1/(2n) at --norm_samples n). Collective: every rank scores an equal
     share."""

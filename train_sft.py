@@ -244,7 +244,7 @@ def main(args):
         common.checkpoint_activations(model)
     common.shard_model(model, device, reshard_after_forward=args.reshard_after_forward)
     # fused: AdamW's element-wise math in one kernel for all parameters, on CPU and CUDA, where
-    # the default loops over tensors with ~10 ops each (34M on CPU: 0.14 -> 0.04 s a step;
+    # the default loops over tensors with ~10 ops each (34M on CPU: AdamW's step 0.14 -> 0.04 s;
     # README: Benchmarks). The Trainer's default too, so TRL's.
     optim = torch.optim.AdamW(
         model.parameters(),
