@@ -11,7 +11,7 @@ are drawn, and reports:
 - the mean share of right samples (PPO's `objective/score` with the rule reward, in expectation);
 - the room: the share of prompts answered wrong greedily but right by at least one sample, the
   most a greedy accuracy could gain from reinforcing what the policy samples.
-The README's "PPO from a competent start" holds its numbers. One process, HF `generate`.
+The README's "How much room RL has" holds its numbers. One process, HF `generate`.
 """
 
 import os
