@@ -181,9 +181,9 @@ def group_and_pair_inputs(inp):
 def plain_gae_pipeline(P, inp, whiten_rewards, gamma, lam):
     """`compute_advantages` with the gae estimator: (advantages, returns) [B, R]."""
     mask = inp["mask"]
-    args = types.SimpleNamespace(advantage_estimator="gae", whiten_rewards=whiten_rewards)
-    args.gamma = gamma
-    args.lam = lam
+    # the stage's own Args (its defaults for what is not set here), so a flag the function reads
+    # later is there: a SimpleNamespace of these few fields broke when --scale_rewards came
+    args = P.Args(advantage_estimator="gae", whiten_rewards=whiten_rewards, gamma=gamma, lam=lam)
     exp = types.SimpleNamespace(batch=types.SimpleNamespace(response_mask=mask))
     exp.old_logprobs = inp["logprobs_raw"] * mask  # zero on padding, as the rollout leaves them
     exp.ref_logprobs = inp["ref_logprobs_raw"] * mask
@@ -231,7 +231,7 @@ def plain_group_advantages(P, inp, kind):
     as `group_advantages` gives them and as spread over the tokens."""
     order = inp["order"]
     n = inp["n"]
-    args = types.SimpleNamespace(advantage_estimator=kind, n_samples_per_prompt=n)
+    args = P.Args(advantage_estimator=kind, n_samples_per_prompt=n)
     exp = types.SimpleNamespace(batch=types.SimpleNamespace(response_mask=inp["mask_g"][order]))
     exp.old_logprobs = inp["old_lp_g"][order]
     exp.ref_logprobs = inp["ref_lp_g"][order]

@@ -71,3 +71,28 @@ def test_profile_step_writes_the_table(tmp_path):
     p = run(*wrapper, "--step", 3, *stage, "--out_dir", tmp_path / "b", nproc=1, check=False)
     assert p.returncode != 0
     assert "error: --step 3: the run took 2 steps; nothing profiled" in p.stderr + p.stdout
+
+
+def test_math_vs_trl_runs_plainrlhfs_side(tmp_path):
+    """bench/math_vs_trl.py's plainrlhf side computes every row's value. It needs no TRL, but
+    nothing ran it: from 00a2acc (2026-11-28) it failed on a SimpleNamespace of flags without
+    --scale_rewards, which compute_advantages had begun to read (a helper found it)."""
+    import importlib.util
+    import os
+
+    import torch
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench", "math_vs_trl.py")
+    spec = importlib.util.spec_from_file_location("math_vs_trl", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    torch.manual_seed(1234)
+    inp = {}
+    bench.ppo_inputs(inp)
+    bench.group_and_pair_inputs(inp)
+    torch.save(inp, tmp_path / "inputs.pt")
+    p = run_py("bench/math_vs_trl.py", "--side", "plainrlhf", "--work", tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = torch.load(tmp_path / "plainrlhf.pt", weights_only=True)
+    for key, _, _ in bench.ROWS:
+        assert torch.isfinite(out[key]).all(), key
