@@ -1490,6 +1490,42 @@ def _turn_end(tok, chat_template, kwargs_key):
     return text.split(RESPONSE_MARK, 1)[1]
 
 
+@functools.cache  # per tokenizer (asked for every row)
+def special_token_texts(tok):
+    """A regex of the texts `tok` reads as its special tokens wherever they stand in a text
+    (EOS, PAD, turn markers: `<|im_end|>`, `</s>`, `<|eot_id|>`), longest first; None where it
+    has none or splits them as text (`split_special_tokens`). Added tokens that are not special
+    (Qwen3's `<think>`) are meant to be written in data, and are not in it."""
+    if getattr(tok, "split_special_tokens", False):
+        return None
+    texts = {t.content for t in tok.added_tokens_decoder.values() if t.special and t.content}
+    if not texts:
+        return None
+    return re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True)))
+
+
+def check_special_text(tok, where, prompt, responses=()):
+    """Refuse data text that holds a special token's text. The chat template renders a
+    conversation to a string and the tokenizer reads it whole (transformers' and TRL's way too),
+    so "4<|im_end|>" in a response trains an end of turn in mid-answer and "<|im_start|>" in a
+    prompt fakes a turn, silently. prompt: a string or a conversation; responses: [(field,
+    text)]. One line naming `where`, the field and the token's text, with a tokenizer's."""
+    pattern = special_token_texts(tok)
+    if pattern is None:
+        return
+    fields = [("'prompt'", prompt)]
+    if not isinstance(prompt, str):
+        fields = [(f"'prompt' message {i}", m["content"]) for i, m in enumerate(prompt)]
+    for field, text in fields + list(responses):
+        found = pattern.search(text)
+        if found:
+            raise SystemExit(
+                f"error: {where}: {field} holds {found.group()!r}, the text of a special token "
+                f"of the tokenizer, which would read it as that token (an end or a turn marker "
+                "inside the text), not as text: remove it from the data"
+            )
+
+
 def check_response_start(tok, prompt, response, where):
     """Refuse a response that holds what only the generation prompt has, beyond the turn the
     template renders: DeepSeek-R1's "<think>" (data written for a template that opens the think
@@ -1535,6 +1571,8 @@ def encode_pair(tok, row, max_len, where):
     if it does not fit the context."""
     longest = max(row["chosen"], row["rejected"], key=len)
     check_fits(tok, prompt_content(tok, row["prompt"], where) + longest, max_len, where)
+    responses = [(f"'{name}'", row[name]) for name in ("chosen", "rejected")]
+    check_special_text(tok, where, row["prompt"], responses)
     prompt = encode_prompt(tok, row["prompt"], where)
     sequences = []
     for name in ("chosen", "rejected"):
@@ -1621,6 +1659,7 @@ def check_held_out(tok, examples, max_len):
         # prompt) is refused before it is tokenised (`check_fits`)
         check_fits(tok, example["response"], max_len - 2, where)
         check_fits(tok, prompt_content(tok, example["prompt"], where), max_len - 1, where)
+        check_special_text(tok, where, example["prompt"], [("'response'", example["response"])])
         ids = encode_prompt(tok, example["prompt"], where)  # a template failing: names `where`
         check_prompt_ids(ids, where)  # greedy_accuracy cannot generate from nothing
         n_response = len(encode_response(tok, example["prompt"], example["response"]))

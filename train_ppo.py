@@ -713,9 +713,11 @@ def load_prompts(rows, tok, max_new_tokens, context, reward_tok=None):
         prompt = row["prompt"]
         text = common.prompt_content(tok, prompt, where)
         common.check_fits(tok, text, context - max_new_tokens, where)
+        common.check_special_text(tok, where, prompt)  # a turn faked inside the prompt
         ids = common.encode_prompt(tok, prompt, where)
         common.check_prompt_ids(ids, where)
         if reward_tok is not None:
+            common.check_special_text(reward_tok, f"{where} (--reward_model)", prompt)
             common.encode_prompt(reward_tok, prompt, f"{where} (--reward_model)")
         if len(ids) + max_new_tokens > context:
             raise SystemExit(

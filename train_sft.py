@@ -94,6 +94,8 @@ def encode(tok, example, max_len, where):
     names the example in the error if it does not fit the context."""
     text = common.prompt_content(tok, example["prompt"], where) + example["response"]
     common.check_fits(tok, text, max_len, where)
+    responses = [("'response'", example["response"])]
+    common.check_special_text(tok, where, example["prompt"], responses)
     prompt = common.encode_prompt(tok, example["prompt"], where)
     common.check_prompt_ids(prompt, where)
     common.check_response_start(tok, example["prompt"], example["response"], where)

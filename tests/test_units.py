@@ -1675,3 +1675,36 @@ def test_dpo_says_it_leaves_a_pairs_margin_unread(capsys):
     assert capsys.readouterr().out.startswith(note)
     train_dpo.note_margins("p.jsonl", rows[1:2])
     assert capsys.readouterr().out == ""
+
+
+def test_a_special_tokens_text_in_data_is_refused(one_rank):
+    """The chat template renders a conversation to a string that the tokenizer reads whole, so
+    a special token's text in data was that token, silently: "2<end_of_turn>" trained an end of
+    turn in mid-answer, "<start_of_turn>" in a prompt faked a turn (transformers and TRL read it
+    so too). Refused in one line naming the row and field, in SFT, the pairs, the held-out
+    examples and PPO's prompts; an added token that is not special (Qwen3's "<think>") is text
+    data may hold."""
+    tok = templated_tokenizer(QWEN3_LIKE)
+    example = {"prompt": "1+2=", "response": "3<end_of_turn>\n<start_of_turn>user\nmore"}
+    with pytest.raises(SystemExit, match=r"^error: r:1: 'response' holds '<end_of_turn>', the"):
+        train_sft.encode(tok, example, 128, "r:1")
+    turns = [{"role": "user", "content": "hi<start_of_turn>assistant\nok"}]
+    with pytest.raises(SystemExit, match="'prompt' message 0 holds '<start_of_turn>'"):
+        train_sft.encode(tok, {"prompt": turns, "response": "3"}, 128, "r:1")
+    row = {"prompt": "1+2=", "chosen": "3", "rejected": "4<eos>"}
+    with pytest.raises(SystemExit, match="'rejected' holds '<eos>'"):
+        common.encode_pair(tok, row, 128, "r:1")
+    with pytest.raises(SystemExit, match="'response' holds '<pad>'"):
+        common.check_held_out(tok, [("r:1", {"prompt": "1+2=", "response": "3<pad>"})], 128)
+    rows = [("p:1", {"prompt": "1+2=<end_of_turn>"})]
+    with pytest.raises(SystemExit, match="p:1: 'prompt' holds '<end_of_turn>'"):
+        train_ppo.load_prompts(rows, tok, 8, 128)
+    from transformers import AutoTokenizer
+
+    plain = AutoTokenizer.from_pretrained(task.TINY_MODEL)  # a reward model's: its specials
+    rows = [("p:1", {"prompt": "1+2=</s>"})]
+    with pytest.raises(SystemExit, match=r"p:1 \(--reward_model\): 'prompt' holds '</s>'"):
+        train_ppo.load_prompts(rows, tok, 8, 128, reward_tok=plain)
+    # what is not a special token's text passes: "<think>" is added, not special; a lone "<"
+    (ids, n_prompt) = train_sft.encode(tok, {"prompt": "a<b", "response": "<think>\nx"}, 128, "r")
+    assert tok.convert_ids_to_tokens(ids[n_prompt:])[:1] == ["<think>"]
