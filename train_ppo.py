@@ -1137,18 +1137,18 @@ def rule_reward(args, rows, texts):
 
 
 @torch.no_grad()
-def score(args, tok, models, rows, responses, finished, device):
+def score(args, tok, models, rows, prompt_ids, responses, finished, device):
     """(2) (scores [B] before the EOS penalty, {logged name: [B]} of the rules' own): the rule
     reward on the decoded text (with the data row's fields it takes: `rule_reward`), or the
     reward model's score of its own tokenisation of it, normalised with its config's
     reward_mean and reward_std unless --reward_norm false. Collective with a reward model (a
-    sharded forward). rows [B]: each sample's data row."""
+    sharded forward). rows [B]: each sample's data row; prompt_ids [B]: the ids it answers."""
     if models.reward_model is None:
         texts = tok.batch_decode(responses, skip_special_tokens=True)
         return rule_reward(args, rows, texts)
     data_prompts = [row["prompt"] for row in rows]
     reward_tok = models.reward_tokenizer
-    texts = written_texts(tok, responses, finished)
+    texts = written_texts(tok, prompt_ids, responses, finished)
     sequences = reward_model_inputs(reward_tok, data_prompts, texts, finished)
     check_reward_context(args.reward_model, models.reward_context, sequences, data_prompts)
     scores = reward_model_scores(
@@ -1165,17 +1165,26 @@ def score(args, tok, models, rows, responses, finished, device):
     return normalised, {}
 
 
-def written_texts(tok, responses, finished):
+def written_texts(tok, prompt_ids, responses, finished):
     """The responses' texts for the reward model: decoded with their special tokens, less the stop
     id a finished one ends with (`reward_model_inputs` puts the reward model's own end there).
     A chat template's turn may open with a special token (its channel header): kept, the
     template's rendering finds it in place (`common.response_text`) and does not add it again,
-    where a text decoded without it got the header's words twice."""
+    where a text decoded without it got the header's words twice. Each is decoded after its
+    prompt, the inverse of `common.encode_response`, which tokenises a response after its
+    prompt's text: decoded alone, a SentencePiece tokenizer (Llama 2, Mistral) drops the space
+    its first token opens with ("▁8" "2" is "82" alone, " 82" after "a:"), and the reward model
+    read "8" "2", not the "▁8" "2" its pairs trained."""
     texts = []
-    for ids, ended in zip(responses, finished):
+    for prompt, ids, ended in zip(prompt_ids, responses, finished):
         if ended:
             ids = ids[:-1]
-        texts.append(tok.decode(ids, skip_special_tokens=False))
+        head = tok.decode(prompt, skip_special_tokens=False)
+        whole = tok.decode(list(prompt) + list(ids), skip_special_tokens=False)
+        text = tok.decode(ids, skip_special_tokens=False)
+        if whole.startswith(head):  # (a decoder that joins otherwise: the response alone)
+            text = whole[len(head) :]
+        texts.append(text)
     return texts
 
 
@@ -1464,7 +1473,9 @@ def evaluate(args, engine, tok, models, items, device):
     prompt_ids = [ids for ids, _ in mine]
     gen = engine.generate(prompt_ids, 1, args.max_new_tokens, 0.0, 1.0, [0] * len(mine))
     rows = [row for _, row in mine]  # as the data gives them (reward functions)
-    scores, parts = score(args, tok, models, rows, gen.response_ids, gen.finished, device)
+    scores, parts = score(
+        args, tok, models, rows, prompt_ids, gen.response_ids, gen.finished, device
+    )
     gold_sum = 0.0
     if args.gold_reward_fn:
         gold = gold_scores(args, tok, rows, gen.response_ids)
@@ -1681,7 +1692,7 @@ def main(args):
         clock.lap("time/rollout_s")
         # (2) Score; a response cut without EOS is penalised [N policy #5].
         raw_scores, rule_parts = score(
-            args, tok, models, rows, gen.response_ids, gen.finished, device
+            args, tok, models, rows, prompt_ids, gen.response_ids, gen.finished, device
         )
         scores = eos_penalized(raw_scores, gen.finished, args.missing_eos_penalty)
         gold = None  # the rule beside a learned reward: logged, never trained on

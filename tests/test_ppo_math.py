@@ -314,11 +314,12 @@ def test_reward_model_reads_its_own_tokens_at_the_last_real_token(tmp_path):
     rows = [{"prompt": "1+2="}, {"prompt": "10+20="}]
     # as the engines give them: a finished response ends with its stop id (`written_texts`)
     responses = [tok("3").input_ids + [tok.eos_token_id], tok("30 and more").input_ids]
+    prompts = [tok("1+2=").input_ids, tok("10+20=").input_ids]  # the ids they answer
     with torch.no_grad():
         models.reward_norm = None
-        raw, _ = ppo.score(args, tok, models, rows, responses, [True, False], "cpu")
+        raw, _ = ppo.score(args, tok, models, rows, prompts, responses, [True, False], "cpu")
         models.reward_norm = (0.5, 2.0)
-        normalised, _ = ppo.score(args, tok, models, rows, responses, [True, False], "cpu")
+        normalised, _ = ppo.score(args, tok, models, rows, prompts, responses, [True, False], "cpu")
     assert torch.allclose(raw, batched, atol=1e-6), (raw, batched)
     assert torch.allclose(normalised, (batched - 0.5) / 2.0, atol=1e-6), normalised
 

@@ -1229,7 +1229,7 @@ def test_a_turn_opening_with_a_special_token_reaches_the_reward_model_once():
     row = {"prompt": "1+2=", "chosen": "82", "rejected": "81"}
     (chosen, n_prompt), _ = common.encode_pair(tok, row, 128, "x")
     sampled = chosen[n_prompt:]  # what a policy trained on it writes, its end of turn included
-    texts = train_ppo.written_texts(tok, [sampled], [True])
+    texts = train_ppo.written_texts(tok, [chosen[:n_prompt]], [sampled], [True])
     assert train_ppo.reward_model_inputs(tok, ["1+2="], texts, [True]) == [chosen]
     ids = common.encode_response(tok, "1+2=", "82")
     assert tok.decode(ids, skip_special_tokens=True) == "final\n82"  # as greedy_accuracy compares
@@ -1708,3 +1708,16 @@ def test_a_special_tokens_text_in_data_is_refused(one_rank):
     # what is not a special token's text passes: "<think>" is added, not special; a lone "<"
     (ids, n_prompt) = train_sft.encode(tok, {"prompt": "a<b", "response": "<think>\nx"}, 128, "r")
     assert tok.convert_ids_to_tokens(ids[n_prompt:])[:1] == ["<think>"]
+
+
+def test_the_reward_model_reads_a_sentencepiece_response_with_its_first_space():
+    """A SentencePiece tokenizer (Llama 2, Mistral; no template) opens a response after "a:" with
+    "▁8": decoded alone it is "82", and the reward model read "8" "2", not the "▁8" "2" its pairs
+    trained. `written_texts` decodes each response after its prompt."""
+    tok = sentencepiece_like_tokenizer()
+    row = {"prompt": "a:", "chosen": " 82", "rejected": " 81"}
+    (chosen, n_prompt), _ = common.encode_pair(tok, row, 128, "x")
+    assert tok.convert_ids_to_tokens(chosen[n_prompt:]) == ["▁8", "2", "</s>"]
+    texts = train_ppo.written_texts(tok, [chosen[:n_prompt]], [chosen[n_prompt:]], [True])
+    assert texts == [" 82"]
+    assert train_ppo.reward_model_inputs(tok, ["a:"], texts, [True]) == [chosen]
