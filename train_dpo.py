@@ -162,10 +162,12 @@ def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, n_pairs, beta, lo
     ipo (Azar et al. 2023, eq. 17): (h - 1/(2β))², a regression of h to a finite target.
     beta: β (--beta); loss_type: sigmoid or ipo (--loss_type); eps: ε (--label_smoothing)."""
     h = (pi_chosen - ref_chosen) - (pi_rejected - ref_rejected)  # [b]
-    if loss_type == "ipo":
-        losses = (h - 1 / (2 * beta)) ** 2
-    else:
+    if loss_type == "sigmoid":
         losses = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
+    elif loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:  # a choice added to --loss_type without its loss here
+        raise ValueError(f"dpo_loss: no loss for {loss_type!r}")
     return losses.sum() / n_pairs
 
 

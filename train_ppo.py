@@ -336,6 +336,8 @@ def group_advantages(scores, kind, scale="group", batch_std=None):
     n = scores.shape[1]
     if kind == "rloo":
         return scores - (scores.sum(1, keepdim=True) - scores) / (n - 1)
+    if kind != "grpo":  # a choice added to --advantage_estimator without its baseline here
+        raise ValueError(f"group_advantages: no baseline for {kind!r}")
     centred = scores - scores.mean(1, keepdim=True)  # [G, n]
     if scale == "none":
         return centred

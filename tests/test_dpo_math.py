@@ -133,3 +133,10 @@ def test_pairs_are_encoded_as_ppo_encodes_a_finished_response():
     want = train_ppo.reward_model_inputs(tok, ["37+45="] * 2, ["82", "712"], [True, True])
     assert [chosen, rejected] == want
     assert n_c == n_r == len(chosen) - 3  # "8", "2", EOS are the response
+
+
+def test_a_loss_type_without_its_loss_is_an_error():
+    """A fork's new --loss_type choice without its loss in dpo_loss was the sigmoid's, silently."""
+    x = torch.zeros(2)
+    with pytest.raises(ValueError, match="no loss for 'simpo'"):
+        train_dpo.dpo_loss(x, x, x, x, 2, 0.1, "simpo", 0.0)

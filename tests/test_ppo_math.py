@@ -197,6 +197,9 @@ def test_group_baselines():
     assert torch.allclose(ppo.group_advantages(s, "rloo"), t([[2 / 3, -2 / 3, -2 / 3, 2 / 3]]))
     # no signal, no NaN
     assert torch.allclose(ppo.group_advantages(t([[1.0, 1.0]]), "grpo"), t([[0.0, 0.0]]))
+    # a fork's new --advantage_estimator choice without its baseline was grpo's, silently
+    with pytest.raises(ValueError, match="no baseline for 'dr_grpo'"):
+        ppo.group_advantages(s, "dr_grpo")
 
 
 def test_group_baselines_scaled_by_the_batch_or_not_at_all():
