@@ -1824,11 +1824,6 @@ def _choose(paths, resume):
     return "", None
 
 
-# Flags a resume must keep that checkpoints written before them lack, with the value those runs
-# had in effect: such a checkpoint resumes under the default, and is refused under another value.
-NEWER_FLAGS = {"chat_template_kwargs": "", "reward_weights": ""}
-
-
 def _comma_list(value):
     """A comma-separated flag as train_ppo.py writes it since the thirty-fourth session: no
     spaces around its entries. Checkpoints before kept the user's spelling ("a:f, b:g"), which a
@@ -1885,13 +1880,15 @@ def _same_data(path, meta, data, flag_value):
         )
 
 
-def _same_settings(path, saved_args, args, must_match):
+def _same_settings(path, saved_args, args, must_match, defaults):
     """The flags in `must_match` as the checkpoint's run had them (its meta.json's args), or one
-    line listing each that differs; then a note for each of NOTED_FLAGS that changed."""
+    line listing each that differs; then a note for each of NOTED_FLAGS that changed. A flag
+    newer than the checkpoint, which its meta.json lacks, was in effect at its default
+    (`defaults`, the stage's): such a checkpoint resumes under the default (a fork's new flag
+    too), and is refused under another value."""
     diff = []
     for k in must_match:
-        # a flag newer than the checkpoint: it was written with the flag's default
-        saved = saved_args.get(k, NEWER_FLAGS.get(k))
+        saved = saved_args.get(k, defaults.get(k))
         if k in OLDER_SPELLINGS:
             saved = OLDER_SPELLINGS[k](saved)
         if saved != args[k]:
@@ -1903,13 +1900,13 @@ def _same_settings(path, saved_args, args, must_match):
     _note_regrouped(path, saved_args, args)
 
 
-def _checked_reads(path, args, must_match, frozen, folders, identity):
+def _checked_reads(path, args, must_match, frozen, folders, identity, defaults):
     """`load`'s checks of the checkpoint against this run, and its reads before DCP's: (meta.json,
     the DCP reader with .metadata read, this rank's RNG state)."""
     meta = read_meta(path)  # resolve() verified the whole checkpoint already
     if identity:  # a stage's run (a bench or a test may load without)
         _same_stage(path, meta, identity["stage"])
-    _same_settings(path, meta["args"], args, must_match)
+    _same_settings(path, meta["args"], args, must_match, defaults or {})
     if identity:
         _same_data(path, meta, identity["data"], args["data"])
     for flag, sums in (frozen or {}).items():
@@ -1953,7 +1950,7 @@ def _on_every_rank(fn):
     return result
 
 
-def load(path, roles, args, must_match, frozen=None, folders=None, identity=None):
+def load(path, roles, args, must_match, frozen=None, folders=None, identity=None, defaults=None):
     """Collective: every role's model and optimizer in place, then this rank's RNG (so call it
     after anything that draws from the RNG: engines, iterators); returns meta.json.
     identity: `common.run_identity` of this run, {"stage", "data"}: the script that saved the
@@ -1962,8 +1959,12 @@ def load(path, roles, args, must_match, frozen=None, folders=None, identity=None
     frozen: {flag: common.weights_fingerprint} of the frozen models this run loaded from the
     folders those flags name, checked against the run's start (the same on every rank).
     folders: {flag: common.folder_identity} of every folder this run loaded a model from, checked
-    the same way (config, generation config, tokenizer)."""
-    checks = functools.partial(_checked_reads, path, args, must_match, frozen, folders, identity)
+    the same way (config, generation config, tokenizer).
+    defaults: {flag: default} of the stage's Args (`common.arg_defaults`), what a checkpoint from
+    before a flag ran with."""
+    checks = functools.partial(
+        _checked_reads, path, args, must_match, frozen, folders, identity, defaults
+    )
     meta, reader, rng = _on_every_rank(checks)
     state = _state(roles)
     dcp_load(state, os.path.join(path, "dcp"), reader=reader)

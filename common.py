@@ -2633,10 +2633,21 @@ def resume(args, roles, sched, must_match, frozen=None, folders=None):
         return 0, None
     must_match = must_match + RUN_MUST_MATCH
     identity = run_identity(args)
-    meta = checkpoint.load(final, roles, vars(args), must_match, frozen, folders, identity)
+    defaults = arg_defaults(args)
+    meta = checkpoint.load(
+        final, roles, vars(args), must_match, frozen, folders, identity, defaults
+    )
     checkpoint.restore_scheduler(sched, meta.get("scheduler"), f"{final}/meta.json")
     print0(f"resumed from {final} at step {meta['step']}")
     return meta["step"], final
+
+
+def arg_defaults(args):
+    """{flag: its default} of a stage's Args: the setting in effect in a checkpoint written
+    before the flag existed, which a resume compares as such (`checkpoint.load`)."""
+    return {
+        f.name: f.default for f in dataclasses.fields(args) if f.default is not dataclasses.MISSING
+    }
 
 
 def run_identity(args):

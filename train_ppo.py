@@ -1666,7 +1666,10 @@ def main(args):
     final = checkpoint.resolve(args.out_dir, args.resume)
     if final:  # the RNG is restored last, inside load
         identity = common.run_identity(args)
-        meta = checkpoint.load(final, roles, vars(args), MUST_MATCH, frozen, folders, identity)
+        defaults = common.arg_defaults(args)
+        meta = checkpoint.load(
+            final, roles, vars(args), MUST_MATCH, frozen, folders, identity, defaults
+        )
         note_another_engine(meta, engine, final)
         kl_coef = restore_schedules(meta, scheds, f"{final}/meta.json", args)
         start = meta["step"]

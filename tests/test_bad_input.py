@@ -227,8 +227,8 @@ def test_a_resume_checks_the_data_files_contents(tmp_path):
 
 def test_resume_keeps_the_chat_template_kwargs(tmp_path):
     """--chat_template_kwargs decides every prompt's tokens: kept on a resume, and a checkpoint
-    from before the flag (no such setting in its meta.json: `checkpoint.NEWER_FLAGS`) counts as
-    written under its default, '', whose resume goes on. The tiny model with a template that
+    from before the flag (no such setting in its meta.json) counts as written under its
+    default, '' (`common.arg_defaults`), whose resume goes on. The tiny model with a template that
     reads Qwen3's switch (`tests/test_units.py: THINKING_TEMPLATE`)."""
     from transformers import AutoTokenizer
 

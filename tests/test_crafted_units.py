@@ -1112,3 +1112,21 @@ def test_a_checkpoint_with_the_older_spelling_of_a_list_flag_resumes():
     with pytest.raises(checkpoint.CheckpointError) as e:
         checkpoint._same_settings("ckpt", saved, args, ["reward_fn", "reward_weights"])
     assert str(e.value).endswith("differing settings: --reward_weights '1.0,0.5' -> '1.0,0.25'")
+
+
+def test_a_flag_newer_than_the_checkpoint_counts_at_its_stages_default():
+    """A checkpoint's meta.json lacks a flag added after it was written (a fork's too): it ran
+    with the flag's default, the stage's Args' (`common.arg_defaults`). A list in checkpoint.py
+    (NEWER_FLAGS) held the two the project had added; a fork's new flag refused every earlier
+    checkpoint ("--loss_type None -> 'token_mean'") until it was added there."""
+    import common
+    import train_ppo
+
+    args = train_ppo.Args()
+    defaults = common.arg_defaults(args)
+    assert defaults["scale_rewards"] == "group" and defaults["reward_weights"] == ""
+    saved = {k: v for k, v in vars(args).items() if k != "scale_rewards"}
+    checkpoint._same_settings("ckpt", saved, vars(args), ["scale_rewards"], defaults)
+    changed = vars(train_ppo.Args(scale_rewards="none"))
+    with pytest.raises(checkpoint.CheckpointError, match="--scale_rewards 'group' -> 'none'"):
+        checkpoint._same_settings("ckpt", saved, changed, ["scale_rewards"], defaults)
