@@ -1497,9 +1497,16 @@ def evaluate(args, engine, tok, models, items, device):
     return metrics
 
 
-def eval_line(step, metrics):
-    """The console line of an evaluation."""
-    line = f"step {step}: held-out accuracy {metrics['eval/accuracy']:.3f}"
+def eval_line(args, step, metrics):
+    """The console line of an evaluation. eval/accuracy is the mean score of the greedy answers:
+    the accuracy under the embedded task's right-or-wrong rule, not under a reward model or a
+    rule of the user's (a shaped one printed "held-out accuracy -0.097")."""
+    name = "held-out score"
+    if args.reward_model:
+        name = "held-out reward-model score"
+    elif args.reward_fn == "task:reward_fn":
+        name = "held-out accuracy"
+    line = f"step {step}: {name} {metrics['eval/accuracy']:.3f}"
     if "eval/gold_accuracy" in metrics:
         line += f", gold accuracy {metrics['eval/gold_accuracy']:.3f}"
     return line
@@ -1679,7 +1686,7 @@ def main(args):
     metrics_log.truncate(start if final else None)
     if not final and held_out:
         eval_metrics = evaluate(args, engine, tok, models, held_out, device)
-        common.print0(eval_line(0, eval_metrics))
+        common.print0(eval_line(args, 0, eval_metrics))
         metrics_log.log(eval_metrics, 0)
 
     from_update = old_logprobs_from_update(args)  # step (3) leaves the actor's to step (5)
@@ -1742,7 +1749,7 @@ def main(args):
         eval_due = common.eval_due(args, step)
         if held_out and eval_due:
             metrics.update(evaluate(args, engine, tok, models, held_out, device))
-            common.print0(eval_line(step, metrics))
+            common.print0(eval_line(args, step, metrics))
         metrics_log.log(metrics, step)
         if rank == 0 and eval_due:  # with a held-out set or without one (a user's --data alone)
             named_scores = sample_scores(raw_scores, gold, rule_parts)

@@ -434,3 +434,15 @@ def test_adamw_takes_weight_decay_from_its_flag():
     for decay in (0.0, 0.5):
         group = ppo.adamw(layer, 1e-4, decay).param_groups[0]
         assert (group["weight_decay"], group["eps"], group["lr"]) == (decay, 1e-5, 1e-4)
+
+
+def test_the_evaluation_line_says_accuracy_only_of_the_right_or_wrong_rule():
+    """eval/accuracy is the greedy answers' mean score: an accuracy under the embedded task's
+    rule only. A shaped rule printed "held-out accuracy -0.097", a reward model's score too."""
+    metrics = {"eval/accuracy": -0.097}
+    assert ppo.eval_line(ppo.Args(), 3, metrics) == "step 3: held-out accuracy -0.097"
+    shaped = ppo.Args(reward_fn="shaping:shaped")
+    assert ppo.eval_line(shaped, 3, metrics) == "step 3: held-out score -0.097"
+    learned = ppo.Args(reward_model="rm", gold_reward_fn="task:reward_fn")
+    line = ppo.eval_line(learned, 3, {**metrics, "eval/gold_accuracy": 0.5})
+    assert line == "step 3: held-out reward-model score -0.097, gold accuracy 0.500"
