@@ -525,6 +525,19 @@ def hash_responses(items):
 
 
 # ---- setup -------------------------------------------------------------------------------------
+def uses_reference(args):
+    """Whether the run loads and runs the frozen reference: a KL to weigh (--kl_coef > 0) or to
+    adapt beta to (--target_kl > 0, which logs it even from --kl_coef 0). Without one, no KL is
+    computed at all (as TRL's GRPO at beta 0)."""
+    return args.kl_coef > 0 or args.target_kl > 0
+
+
+def kl_in_loss(args):
+    """Whether the KL to the reference is a loss term (grpo: Shao et al. 2024, eq. 4), not a
+    per-token penalty in the reward (gae, rloo: `compute_rewards`)."""
+    return args.advantage_estimator == "grpo"
+
+
 @dataclasses.dataclass
 class Models:
     """The four roles. Only actor and critic train; their optimizers live in `roles`."""
@@ -546,9 +559,8 @@ def build_models(args, device):
     actor, tok = common.load_model_and_tokenizer(args.model, AutoModelForCausalLM, attention)
     common.record_template_kwargs(tok, args.model)  # so the export renders as this run did
     place_model(actor, args, device, trained=True)
-    # --kl_coef 0, no --target_kl: the KL weighs nothing; no reference (as TRL's GRPO at beta 0)
     ref = None
-    if args.kl_coef > 0 or args.target_kl > 0:
+    if uses_reference(args):
         ref, _ = common.load_model_and_tokenizer(args.model, AutoModelForCausalLM, attention)
         ref.requires_grad_(False)
         place_model(ref, args, device, trained=False)
@@ -831,12 +843,12 @@ def check_kl_estimator(args):
     so it is refused in one line."""
     if args.kl_estimator == "k1":
         return
-    if args.advantage_estimator == "grpo":
+    if kl_in_loss(args):
         raise SystemExit(
             f"error: --kl_estimator {args.kl_estimator} picks the KL in the reward (gae, rloo); "
             "grpo's KL is a loss term, k3 already (Shao et al. 2024, eq. 4)"
         )
-    if args.kl_coef == 0 and args.target_kl == 0:
+    if not uses_reference(args):
         raise SystemExit(
             f"error: --kl_estimator {args.kl_estimator}: --kl_coef 0 (and no --target_kl) "
             "weighs no KL, and no reference is run"
@@ -1274,8 +1286,7 @@ def old_logprobs_from_update(args):
     shortcut (num_iterations 1)."""
     all_responses = args.rollout_batch_size * args.n_samples_per_prompt
     one_update = args.ppo_epochs == 1 and args.train_batch_size == all_responses
-    no_reference = args.kl_coef == 0 and args.target_kl == 0  # as in `build_models`
-    return one_update and (args.advantage_estimator == "grpo" or no_reference)
+    return one_update and (kl_in_loss(args) or not uses_reference(args))
 
 
 @torch.no_grad()
@@ -1399,7 +1410,7 @@ def ppo_loss(args, models, exp, rows, n_tokens, kl_coef, fill_old):
         "policy/approxkl": approxkl.detach(),
     }
     kl_term = torch.zeros((), device=mask.device)
-    if args.advantage_estimator == "grpo" and exp.ref_logprobs is not None:
+    if kl_in_loss(args) and exp.ref_logprobs is not None:
         kl = kl_loss(logprobs, exp.ref_logprobs[rows], mask, n_tokens)
         kl_term = kl_coef * kl
         stats["policy/kl_loss"] = kl.detach()
