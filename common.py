@@ -1495,10 +1495,12 @@ def special_token_texts(tok):
     """A regex of the texts `tok` reads as its special tokens wherever they stand in a text
     (EOS, PAD, turn markers: `<|im_end|>`, `</s>`, `<|eot_id|>`), longest first; None where it
     has none or splits them as text (`split_special_tokens`). Added tokens that are not special
-    (Qwen3's `<think>`) are meant to be written in data, and are not in it."""
+    (Qwen3's `<think>`) are meant to be written in data, and are not in it; nor are those read
+    as a whole word only (`single_word`), which a regex of the text alone would over-match."""
     if getattr(tok, "split_special_tokens", False):
         return None
-    texts = {t.content for t in tok.added_tokens_decoder.values() if t.special and t.content}
+    added = tok.added_tokens_decoder.values()
+    texts = {t.content for t in added if t.special and t.content and not t.single_word}
     if not texts:
         return None
     return re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True)))
@@ -1509,13 +1511,22 @@ def check_special_text(tok, where, prompt, responses=()):
     conversation to a string and the tokenizer reads it whole (transformers' and TRL's way too),
     so "4<|im_end|>" in a response trains an end of turn in mid-answer and "<|im_start|>" in a
     prompt fakes a turn, silently. prompt: a string or a conversation; responses: [(field,
-    text)]. One line naming `where`, the field and the token's text, with a tokenizer's."""
+    text)]. One line naming `where`, the field and the token's text. A string prompt for a
+    tokenizer without a template is the user's own formatting of the turns, special tokens
+    included ("<s>[INST] ... [/INST]" for a base model): not checked."""
     pattern = special_token_texts(tok)
     if pattern is None:
         return
-    fields = [("'prompt'", prompt)]
-    if not isinstance(prompt, str):
-        fields = [(f"'prompt' message {i}", m["content"]) for i, m in enumerate(prompt)]
+    fields = []
+    if isinstance(prompt, str) and tok.chat_template:
+        fields = [("'prompt'", prompt)]
+    if not isinstance(prompt, str):  # every text a message gives the template (`check_messages`)
+        fields = [
+            (f"message {i}'s {key!r}", value)
+            for i, message in enumerate(prompt)
+            for key, value in message.items()
+            if isinstance(value, str) and key != "role"
+        ]
     for field, text in fields + list(responses):
         found = pattern.search(text)
         if found:
@@ -2622,18 +2633,19 @@ def clip_grad_norm(model, max_norm, role):
 
 
 # ---- resume, evaluation, the end of every step ---------------------------------------------------
-def resume(args, roles, sched, must_match, frozen=None, folders=None):
+def resume(args, roles, sched, must_match, frozen=None, folders=None, before=None):
     """(the step to go on from, the checkpoint resumed or None): SFT's, RM's and DPO's --resume.
     The checkpoint --resume names (`checkpoint.resolve`) is loaded into `roles`, checked against
     this run (`must_match`, frozen weights, model folders: `checkpoint.load`) and its learning-rate
     schedule put back. The RNG is restored last, inside load: nothing may draw from it before
-    step 1. PPO resumes an engine and β too, in its own main."""
+    step 1. PPO resumes an engine and β too, in its own main. before: {flag: what a checkpoint
+    from before the flag ran with}, where that is not its default (`arg_defaults`)."""
     final = checkpoint.resolve(args.out_dir, args.resume)
     if not final:
         return 0, None
     must_match = must_match + RUN_MUST_MATCH
     identity = run_identity(args)
-    defaults = arg_defaults(args)
+    defaults = {**arg_defaults(args), **(before or {})}
     meta = checkpoint.load(
         final, roles, vars(args), must_match, frozen, folders, identity, defaults
     )
@@ -2644,7 +2656,8 @@ def resume(args, roles, sched, must_match, frozen=None, folders=None):
 
 def arg_defaults(args):
     """{flag: its default} of a stage's Args: the setting in effect in a checkpoint written
-    before the flag existed, which a resume compares as such (`checkpoint.load`)."""
+    before the flag existed, which a resume compares as such (`checkpoint.load`), unless the
+    stage says otherwise (`resume`'s `before`: a flag whose default changed what the code did)."""
     return {
         f.name: f.default for f in dataclasses.fields(args) if f.default is not dataclasses.MISSING
     }

@@ -822,7 +822,7 @@ def check_args(args, world):
     if args.scale_rewards != "group" and args.advantage_estimator != "grpo":
         raise SystemExit(
             f"error: --scale_rewards {args.scale_rewards} applies to --advantage_estimator grpo "
-            f"only; {SCALED_BY[args.advantage_estimator]}"
+            f"only; {SCALED_BY.get(args.advantage_estimator, 'it divides by no group std')}"
         )
 
 
@@ -1162,7 +1162,7 @@ def score(args, tok, models, rows, prompt_ids, responses, finished, device):
         return rule_reward(args, rows, texts)
     data_prompts = [row["prompt"] for row in rows]
     reward_tok = models.reward_tokenizer
-    texts = written_texts(tok, prompt_ids, responses, finished)
+    texts = written_texts(tok, data_prompts, prompt_ids, responses, finished)
     sequences = reward_model_inputs(reward_tok, data_prompts, texts, finished)
     check_reward_context(args.reward_model, models.reward_context, sequences, data_prompts)
     scores = reward_model_scores(
@@ -1179,27 +1179,38 @@ def score(args, tok, models, rows, prompt_ids, responses, finished, device):
     return normalised, {}
 
 
-def written_texts(tok, prompt_ids, responses, finished):
+def written_texts(tok, data_prompts, prompt_ids, responses, finished):
     """The responses' texts for the reward model: decoded with their special tokens, less the stop
     id a finished one ends with (`reward_model_inputs` puts the reward model's own end there).
     A chat template's turn may open with a special token (its channel header): kept, the
     template's rendering finds it in place (`common.response_text`) and does not add it again,
-    where a text decoded without it got the header's words twice. Each is decoded after its
-    prompt, the inverse of `common.encode_response`, which tokenises a response after its
-    prompt's text: decoded alone, a SentencePiece tokenizer (Llama 2, Mistral) drops the space
-    its first token opens with ("▁8" "2" is "82" alone, " 82" after "a:"), and the reward model
-    read "8" "2", not the "▁8" "2" its pairs trained."""
+    where a text decoded without it got the header's words twice. data_prompts [B]: the rows'
+    prompts; prompt_ids [B]: their ids, which the responses continue."""
     texts = []
-    for prompt, ids, ended in zip(prompt_ids, responses, finished):
+    for data_prompt, prompt, ids, ended in zip(data_prompts, prompt_ids, responses, finished):
         if ended:
             ids = ids[:-1]
-        head = tok.decode(prompt, skip_special_tokens=False)
-        whole = tok.decode(list(prompt) + list(ids), skip_special_tokens=False)
-        text = tok.decode(ids, skip_special_tokens=False)
-        if whole.startswith(head):  # (a decoder that joins otherwise: the response alone)
-            text = whole[len(head) :]
-        texts.append(text)
+        texts.append(written_text(tok, data_prompt, prompt, ids))
     return texts
+
+
+def written_text(tok, data_prompt, prompt_ids, ids):
+    """The text the policy wrote: the one whose encoding as a response to `data_prompt`
+    (`common.encode_response`, as training encoded it) gives back `ids`. Decoded alone, a
+    SentencePiece tokenizer (Llama 2, Mistral) drops the space its first token opens with ("▁8"
+    "2" is "82"), which is right where the template puts a space before the answer (Mistral
+    v0.1's ' ' + content) and wrong where nothing does (no template: the reward model read "8"
+    "2", not the "▁8" "2" its pairs trained). Decoded after its prompt, the space stays. The two
+    agree for most tokenizers, and then nothing is encoded to choose."""
+    alone = tok.decode(ids, skip_special_tokens=False)
+    head = tok.decode(prompt_ids, skip_special_tokens=False)
+    whole = tok.decode(list(prompt_ids) + list(ids), skip_special_tokens=False)
+    if not whole.startswith(head):  # a decoder that joins otherwise: only the response's own
+        return alone
+    after = whole[len(head) :]
+    if after == alone or common.encode_response(tok, data_prompt, alone) == list(ids):
+        return alone
+    return after
 
 
 def check_finite_scores(scores, line):
@@ -1518,8 +1529,11 @@ def eval_line(args, step, metrics):
     elif args.reward_fn == "task:reward_fn":
         name = "held-out accuracy"
     line = f"step {step}: {name} {metrics['eval/accuracy']:.3f}"
+    gold = "gold score"
+    if args.gold_reward_fn == "task:reward_fn":
+        gold = "gold accuracy"
     if "eval/gold_accuracy" in metrics:
-        line += f", gold accuracy {metrics['eval/gold_accuracy']:.3f}"
+        line += f", {gold} {metrics['eval/gold_accuracy']:.3f}"
     return line
 
 
@@ -1642,6 +1656,9 @@ MUST_MATCH = [
     "reward_norm",
     *common.RUN_MUST_MATCH,
 ]
+# What a checkpoint written before a MUST_MATCH flag existed ran with, where that is not the
+# flag's default (`common.arg_defaults`): the reward model's raw score, before --reward_norm
+BEFORE_FLAGS = {"reward_norm": False}
 
 
 def main(args):
@@ -1684,7 +1701,7 @@ def main(args):
     final = checkpoint.resolve(args.out_dir, args.resume)
     if final:  # the RNG is restored last, inside load
         identity = common.run_identity(args)
-        defaults = common.arg_defaults(args)
+        defaults = {**common.arg_defaults(args), **BEFORE_FLAGS}
         meta = checkpoint.load(
             final, roles, vars(args), MUST_MATCH, frozen, folders, identity, defaults
         )

@@ -414,7 +414,9 @@ def main(args):
     # embedded training set, whose size orders the batches) and the loss
     must_match = ["model", "data", "seed", "train_batch_size", "margin"]
     must_match += ["pairs_per_prompt"]
-    start, final = common.resume(args, roles, sched, must_match, folders=folders)
+    # before --pairs_per_prompt, one pair was drawn per prompt (`task.make_pairs`)
+    before = {"pairs_per_prompt": 1}
+    start, final = common.resume(args, roles, sched, must_match, folders=folders, before=before)
     # the rows a killed run logged after the checkpoint go (all of them on a fresh start)
     metrics_log.truncate(start if final else None)
 

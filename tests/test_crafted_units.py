@@ -1107,10 +1107,10 @@ def test_a_checkpoint_with_the_older_spelling_of_a_list_flag_resumes():
     is still another run."""
     saved = {"reward_fn": "task:reward_fn, rules:length", "reward_weights": "1.0, 0.5"}
     args = {"reward_fn": "task:reward_fn,rules:length", "reward_weights": "1.0,0.5"}
-    checkpoint._same_settings("ckpt", saved, args, ["reward_fn", "reward_weights"])
+    checkpoint._same_settings("ckpt", saved, args, ["reward_fn", "reward_weights"], {})
     args["reward_weights"] = "1.0,0.25"
     with pytest.raises(checkpoint.CheckpointError) as e:
-        checkpoint._same_settings("ckpt", saved, args, ["reward_fn", "reward_weights"])
+        checkpoint._same_settings("ckpt", saved, args, ["reward_fn", "reward_weights"], {})
     assert str(e.value).endswith("differing settings: --reward_weights '1.0,0.5' -> '1.0,0.25'")
 
 
@@ -1130,3 +1130,9 @@ def test_a_flag_newer_than_the_checkpoint_counts_at_its_stages_default():
     changed = vars(train_ppo.Args(scale_rewards="none"))
     with pytest.raises(checkpoint.CheckpointError, match="--scale_rewards 'group' -> 'none'"):
         checkpoint._same_settings("ckpt", saved, changed, ["scale_rewards"], defaults)
+    # where the default changed what the code did, the stage says what ran before the flag:
+    # PPO used the reward model's raw score before --reward_norm (default true)
+    before = {**defaults, **train_ppo.BEFORE_FLAGS}
+    saved = {k: v for k, v in vars(args).items() if k != "reward_norm"}
+    with pytest.raises(checkpoint.CheckpointError, match="--reward_norm False -> True"):
+        checkpoint._same_settings("ckpt", saved, vars(args), ["reward_norm"], before)

@@ -1229,7 +1229,7 @@ def test_a_turn_opening_with_a_special_token_reaches_the_reward_model_once():
     row = {"prompt": "1+2=", "chosen": "82", "rejected": "81"}
     (chosen, n_prompt), _ = common.encode_pair(tok, row, 128, "x")
     sampled = chosen[n_prompt:]  # what a policy trained on it writes, its end of turn included
-    texts = train_ppo.written_texts(tok, [chosen[:n_prompt]], [sampled], [True])
+    texts = train_ppo.written_texts(tok, ["1+2="], [chosen[:n_prompt]], [sampled], [True])
     assert train_ppo.reward_model_inputs(tok, ["1+2="], texts, [True]) == [chosen]
     ids = common.encode_response(tok, "1+2=", "82")
     assert tok.decode(ids, skip_special_tokens=True) == "final\n82"  # as greedy_accuracy compares
@@ -1689,7 +1689,7 @@ def test_a_special_tokens_text_in_data_is_refused(one_rank):
     with pytest.raises(SystemExit, match=r"^error: r:1: 'response' holds '<end_of_turn>', the"):
         train_sft.encode(tok, example, 128, "r:1")
     turns = [{"role": "user", "content": "hi<start_of_turn>assistant\nok"}]
-    with pytest.raises(SystemExit, match="'prompt' message 0 holds '<start_of_turn>'"):
+    with pytest.raises(SystemExit, match="message 0's 'content' holds '<start_of_turn>'"):
         train_sft.encode(tok, {"prompt": turns, "response": "3"}, 128, "r:1")
     row = {"prompt": "1+2=", "chosen": "3", "rejected": "4<eos>"}
     with pytest.raises(SystemExit, match="'rejected' holds '<eos>'"):
@@ -1701,10 +1701,14 @@ def test_a_special_tokens_text_in_data_is_refused(one_rank):
         train_ppo.load_prompts(rows, tok, 8, 128)
     from transformers import AutoTokenizer
 
-    plain = AutoTokenizer.from_pretrained(task.TINY_MODEL)  # a reward model's: its specials
-    rows = [("p:1", {"prompt": "1+2=</s>"})]
-    with pytest.raises(SystemExit, match=r"p:1 \(--reward_model\): 'prompt' holds '</s>'"):
-        train_ppo.load_prompts(rows, tok, 8, 128, reward_tok=plain)
+    # a string prompt for a tokenizer without a template is the user's own formatting of the
+    # turns, special tokens included (a base model's "<s>[INST] ..."): not refused; a reward
+    # model's tokenizer with a template reads the prompt as a turn, and is checked
+    plain = AutoTokenizer.from_pretrained(task.TINY_MODEL)
+    rows = [("p:1", {"prompt": "<s>1+2=</s>"})]
+    assert len(train_ppo.load_prompts(rows, plain, 8, 128)) == 1
+    with pytest.raises(SystemExit, match=r"p:1 \(--reward_model\): 'prompt' holds '<eos>'"):
+        train_ppo.load_prompts([("p:1", {"prompt": "1+2=<eos>"})], plain, 8, 128, reward_tok=tok)
     # what is not a special token's text passes: "<think>" is added, not special; a lone "<"
     (ids, n_prompt) = train_sft.encode(tok, {"prompt": "a<b", "response": "<think>\nx"}, 128, "r")
     assert tok.convert_ids_to_tokens(ids[n_prompt:])[:1] == ["<think>"]
@@ -1718,6 +1722,18 @@ def test_the_reward_model_reads_a_sentencepiece_response_with_its_first_space():
     row = {"prompt": "a:", "chosen": " 82", "rejected": " 81"}
     (chosen, n_prompt), _ = common.encode_pair(tok, row, 128, "x")
     assert tok.convert_ids_to_tokens(chosen[n_prompt:]) == ["▁8", "2", "</s>"]
-    texts = train_ppo.written_texts(tok, [chosen[:n_prompt]], [chosen[n_prompt:]], [True])
+    texts = train_ppo.written_texts(tok, ["a:"], [chosen[:n_prompt]], [chosen[n_prompt:]], [True])
     assert texts == [" 82"]
+    assert train_ppo.reward_model_inputs(tok, ["a:"], texts, [True]) == [chosen]
+    # a template that puts a space before the answer as given (Mistral v0.1's ' ' + content):
+    # there the text decoded alone is the one training encoded, "82", not " 82" (which it would
+    # render with two spaces: "▁" "▁8" "2")
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'user' %}[INST]{{ m['content'] }}[/INST]"
+        "{% else %}{{ ' ' + m['content'] + eos_token }}{% endif %}{% endfor %}"
+    )
+    (chosen, n_prompt), _ = common.encode_pair(tok, {**row, "chosen": "82"}, 128, "x")
+    assert tok.convert_ids_to_tokens(chosen[n_prompt:]) == ["▁8", "2", "</s>"]
+    texts = train_ppo.written_texts(tok, ["a:"], [chosen[:n_prompt]], [chosen[n_prompt:]], [True])
+    assert texts == ["82"]
     assert train_ppo.reward_model_inputs(tok, ["a:"], texts, [True]) == [chosen]
