@@ -1532,7 +1532,7 @@ def check_special_text(tok, where, prompt, responses=()):
         if found:
             raise SystemExit(
                 f"error: {where}: {field} holds {found.group()!r}, the text of a special token "
-                f"of the tokenizer, which would read it as that token (an end or a turn marker "
+                "of the tokenizer, which would read it as that token (an end or a turn marker "
                 "inside the text), not as text: remove it from the data"
             )
 

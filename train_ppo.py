@@ -396,14 +396,13 @@ def value_loss(values, old_values, returns, mask, cliprange_value, n_tokens):
 
 
 def normalised_scores(scores, mean, std):
-    """(score - mean) / std, with the reward model's mean and std over reference responses
-    (recorded by train_rm.py: the chosen responses of training pairs, where Ziegler et al. 2019
-    use samples of the initial policy [N RM #3], and Stiennon et al. 2020 set the mean of their
-    dataset's reference summaries to 0, sec. 3.4) so that such responses score mean 0 and
-    variance 1. A --kl_coef then weighs the KL
-    against a score of unit scale, whatever the reward model's own scale. Under GAE the offset
-    from the policy's own samples lands on the last token, where the critic absorbs it; grpo and
-    rloo subtract a group baseline, which cancels it. scores [B]."""
+    """(score - mean) / std, with the reward model's mean and std over reference responses (recorded
+    by train_rm.py: the chosen responses of training pairs, where Ziegler et al. 2019 use samples of
+    the initial policy [N RM #3], and Stiennon et al. 2020 set the mean of their dataset's reference
+    summaries to 0, sec. 3.4) so that such responses score mean 0 and variance 1. A --kl_coef then
+    weighs the KL against a score of unit scale, whatever the reward model's own scale. Under GAE
+    the offset from the policy's own samples lands on the last token, where the critic absorbs it;
+    grpo and rloo subtract a group baseline, which cancels it. scores [B]."""
     return (scores - mean) / std
 
 
@@ -1195,13 +1194,13 @@ def written_texts(tok, data_prompts, prompt_ids, responses, finished):
 
 
 def written_text(tok, data_prompt, prompt_ids, ids):
-    """The text the policy wrote: the one whose encoding as a response to `data_prompt`
-    (`common.encode_response`, as training encoded it) gives back `ids`. Decoded alone, a
-    SentencePiece tokenizer (Llama 2, Mistral) drops the space its first token opens with ("▁8"
-    "2" is "82"), which is right where the template puts a space before the answer (Mistral
-    v0.1's ' ' + content) and wrong where nothing does (no template: the reward model read "8"
-    "2", not the "▁8" "2" its pairs trained). Decoded after its prompt, the space stays. The two
-    agree for most tokenizers, and then nothing is encoded to choose."""
+    """The text the policy wrote, as training would encode it back into `ids` (as a response to
+    `data_prompt`: `common.encode_response`): decoded alone where that does, else decoded after its
+    prompt. Decoded alone, a SentencePiece tokenizer (Llama 2, Mistral) drops the space its first
+    token opens with ("▁8" "2" is "82"), which is right where the template puts a space before the
+    answer (Mistral v0.1's ' ' + content) and wrong where nothing does (no template: the reward
+    model read "8" "2", not the "▁8" "2" its pairs trained). Decoded after its prompt, the space
+    stays. The two agree for most tokenizers, and then nothing is encoded to choose."""
     alone = tok.decode(ids, skip_special_tokens=False)
     head = tok.decode(prompt_ids, skip_special_tokens=False)
     whole = tok.decode(list(prompt_ids) + list(ids), skip_special_tokens=False)
