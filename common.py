@@ -608,13 +608,17 @@ def import_on_every_rank(what, load):
 def _function_and_source(load):
     """(fn, sha256 of its defining module's file) of fn = load()."""
     fn = load()
+    return fn, module_digest(fn)
+
+
+def module_digest(fn):
+    """The sha256 of the file of the module that defines `fn` (a reward rule), or "no file"."""
     module = sys.modules.get(getattr(fn, "__module__", None) or "")
     path = getattr(module, "__file__", None)
-    digest = "no file"
-    if path and os.path.isfile(path):
-        with open(path, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
-    return fn, digest
+    if not (path and os.path.isfile(path)):
+        return "no file"
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 class Stopwatch:

@@ -644,6 +644,28 @@ def note_another_engine(meta, engine, where):
         )
 
 
+def rule_digests(args):
+    """{module:function: the sha256 of its module's file} of the rules this run calls, kept in
+    meta.json: a rule edited between a run's start and its resume scores the rest of the run
+    by other arithmetic (`note_changed_rules`)."""
+    return {spec: common.module_digest(load_rule(spec, flag)) for spec, flag in rules_in_use(args)}
+
+
+def note_changed_rules(meta, digests, where):
+    """A note for each rule whose module's file is not the one the checkpoint's run scored with.
+    Allowed (a fix of a rule is a reason to go on): said, not silent. A meta.json without them
+    (before this, or crafted) says nothing."""
+    saved = meta.get("rules")
+    if not isinstance(saved, dict):
+        return
+    for spec, digest in digests.items():
+        if spec in saved and saved[spec] != digest:
+            common.print0(
+                f"note: {spec}: its module's file changed since {where} was saved; the run goes "
+                "on scoring with it as it is now, not as it would have"
+            )
+
+
 def folder_identities(args):
     """{flag: common.folder_identity} of every folder this run loads a model from, kept in
     meta.json: a resume builds the models from those folders' config.json again, tokenises with
@@ -1671,6 +1693,7 @@ def main(args):
     models, tok, roles = build_models(args, device)
     frozen = frozen_fingerprints(models, device)
     folders = folder_identities(args)
+    rules = rule_digests(args)
     scheds = {}
     for name, (_, optim) in roles.items():
         scheds[name] = get_linear_schedule_with_warmup(optim, args.warmup_steps, args.max_steps)
@@ -1705,6 +1728,7 @@ def main(args):
             final, roles, vars(args), MUST_MATCH, frozen, folders, identity, defaults
         )
         note_another_engine(meta, engine, final)
+        note_changed_rules(meta, rules, final)
         kl_coef = restore_schedules(meta, scheds, f"{final}/meta.json", args)
         start = meta["step"]
         rollout.sync_weights(engine, models.actor)  # the engine started from --model: resume it
@@ -1795,6 +1819,7 @@ def main(args):
             "consumed_prompts": step * args.rollout_batch_size,
             "frozen": frozen,
             "folders": folders,
+            "rules": rules,  # the rules' files (note_changed_rules)
             "engine": engine.kind,  # what --rollout_engine auto chose (note_another_engine)
         }
         hf_objs = (models.actor.config, tok, export_generation_config)

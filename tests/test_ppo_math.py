@@ -1,5 +1,6 @@
 """PPO math against hand-computed values (Tier 1, in-process; whitening uses a 1-rank group)."""
 
+import hashlib
 import math
 import types
 
@@ -446,3 +447,21 @@ def test_the_evaluation_line_says_accuracy_only_of_the_right_or_wrong_rule():
     learned = ppo.Args(reward_model="rm", gold_reward_fn="task:reward_fn")
     line = ppo.eval_line(learned, 3, {**metrics, "eval/gold_accuracy": 0.5})
     assert line == "step 3: held-out reward-model score -0.097, gold accuracy 0.500"
+
+
+def test_a_resume_notes_a_rule_whose_file_changed(one_rank, capsys):
+    """A reward rule's module edited between a run's start and its resume scored the rest of the
+    run by other arithmetic, silently (a fork's helper changed a penalty's coefficient: the score
+    jumped). meta.json keeps each rule's file digest; a resume notes the ones that changed."""
+    import task
+
+    args = ppo.Args()
+    digests = ppo.rule_digests(args)
+    with open(task.__file__, "rb") as f:
+        assert digests == {"task:reward_fn": hashlib.sha256(f.read()).hexdigest()}
+    ppo.note_changed_rules({"rules": digests}, digests, "ckpt")
+    ppo.note_changed_rules({}, digests, "ckpt")  # a checkpoint from before: nothing to say
+    assert capsys.readouterr().out == ""
+    ppo.note_changed_rules({"rules": {"task:reward_fn": "0" * 64}}, digests, "ckpt")
+    out = capsys.readouterr().out
+    assert out.startswith("note: task:reward_fn: its module's file changed since ckpt was saved")
