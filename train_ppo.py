@@ -1446,16 +1446,23 @@ def ppo_loss(args, models, exp, rows, n_tokens, kl_coef, fill_old):
         kl = kl_loss(logprobs, exp.ref_logprobs[rows], mask, n_tokens)
         kl_term = kl_coef * kl
         stats["policy/kl_loss"] = kl.detach()
-    vf_loss = torch.zeros((), device=mask.device)
-    if models.critic is not None:
-        values = values_of(models.critic, batch)  # [b, R]
-        vf_loss, vf_clipfrac = value_loss(
-            values, exp.old_values[rows], exp.returns[rows], mask, args.cliprange_value, n_tokens
-        )
-        stats["val/loss"] = vf_loss.detach()
-        stats["val/clipfrac"] = vf_clipfrac.to(mask.device)
+    vf_loss, value_stats = value_term(args, models, exp, batch, rows, n_tokens)
+    stats.update(value_stats)
     loss = pg_loss + kl_term + vf_loss
     return loss, stats, ratio
+
+
+def value_term(args, models, exp, batch, rows, n_tokens):
+    """ppo_loss's third term, the critic's (clipped) value loss on the micro-batch `batch` (`rows`
+    of `exp`), and its statistics; 0 and none without a critic (grpo, rloo)."""
+    mask = batch.response_mask  # [b, R]
+    if models.critic is None:
+        return torch.zeros((), device=mask.device), {}
+    values = values_of(models.critic, batch)  # [b, R]
+    vf_loss, vf_clipfrac = value_loss(
+        values, exp.old_values[rows], exp.returns[rows], mask, args.cliprange_value, n_tokens
+    )
+    return vf_loss, {"val/loss": vf_loss.detach(), "val/clipfrac": vf_clipfrac.to(mask.device)}
 
 
 def ppo_update(args, models, roles, exp, kl_coef):
