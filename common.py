@@ -2945,7 +2945,10 @@ def finish(args, step, final, role=None):
         raise SystemExit(1)  # rank 0 says why
     upload_logs(args)
     if step == args.max_steps and final:  # (a run stopped early said so in `end_of_step`)
-        print0(f"done: {step} steps; checkpoint {final}; model {hf}{peak_gpu_memory()}")
+        steps = "steps"
+        if step == 1:
+            steps = "step"
+        print0(f"done: {step} {steps}; checkpoint {final}; model {hf}{peak_gpu_memory()}")
 
 
 def export_wait_group(args, final, exporting):

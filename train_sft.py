@@ -159,6 +159,14 @@ def load_data(args, tok, max_len):
         held_out = common.numbered("embedded task", task.make_split("test"))
     source = args.data or "embedded task"
     train = [encode(tok, ex, max_len, where) for where, ex in train]
+    # a response that renders to nothing (blank, or whitespace the template trims) trains the
+    # end of the turn alone: legal, but more often a data bug (a lost answer) than a lesson
+    empty = sum(1 for ids, n_prompt in train if len(ids) - n_prompt == 1)
+    if empty:
+        common.print0(
+            f"note: {source}: {empty} of {len(train)} responses are empty as the chat template "
+            "renders them: each trains the end of the turn alone"
+        )
     if len(train) < args.train_batch_size:
         raise SystemExit(
             f"error: {source}: {len(train)} examples, fewer than --train_batch_size "

@@ -1737,3 +1737,18 @@ def test_the_reward_model_reads_a_sentencepiece_response_with_its_first_space():
     texts = train_ppo.written_texts(tok, ["a:"], [chosen[:n_prompt]], [chosen[n_prompt:]], [True])
     assert texts == ["82"]
     assert train_ppo.reward_model_inputs(tok, ["a:"], texts, [True]) == [chosen]
+
+
+def test_empty_responses_are_noted(one_rank, tmp_path, capsys):
+    """A response that renders to nothing trains the end of the turn alone: legal, but more often
+    a lost answer than a lesson, and it went unsaid. A note counts them."""
+    from transformers import AutoTokenizer
+
+    rows = [{"prompt": "1+2=", "response": "3"}, {"prompt": "1+3=", "response": ""}]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tok = AutoTokenizer.from_pretrained(task.TINY_MODEL)
+    args = train_sft.Args(data=str(data), train_batch_size=2, eval_samples=0)
+    train, _ = train_sft.load_data(args, tok, 64)
+    assert [len(ids) - n_prompt for ids, n_prompt in train] == [2, 1]  # "3" and EOS; EOS alone
+    assert f"note: {data}: 1 of 2 responses are empty" in capsys.readouterr().out
