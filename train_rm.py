@@ -114,6 +114,11 @@ LIMITS = {
     "eval_samples": ">= 0",
 }
 
+# What a checkpoint written before a must-match flag existed ran with, where that is not the
+# flag's default (`common.arg_defaults`): one pair per prompt (`task.make_pairs`), before
+# --pairs_per_prompt
+BEFORE_FLAGS = {"pairs_per_prompt": 1}
+
 
 # ---- the math ----------------------------------------------------------------------------------
 class Pair(typing.NamedTuple):
@@ -414,9 +419,9 @@ def main(args):
     # embedded training set, whose size orders the batches) and the loss
     must_match = ["model", "data", "seed", "train_batch_size", "margin"]
     must_match += ["pairs_per_prompt"]
-    # before --pairs_per_prompt, one pair was drawn per prompt (`task.make_pairs`)
-    before = {"pairs_per_prompt": 1}
-    start, final = common.resume(args, roles, sched, must_match, folders=folders, before=before)
+    start, final = common.resume(
+        args, roles, sched, must_match, folders=folders, before=BEFORE_FLAGS
+    )
     # the rows a killed run logged after the checkpoint go (all of them on a fresh start)
     metrics_log.truncate(start if final else None)
 
