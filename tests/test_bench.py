@@ -96,3 +96,26 @@ def test_math_vs_trl_runs_plainrlhfs_side(tmp_path):
     out = torch.load(tmp_path / "plainrlhf.pt", weights_only=True)
     for key, _, _ in bench.ROWS:
         assert torch.isfinite(out[key]).all(), key
+
+
+@pytest.mark.slow
+def test_reward_model_benches_run(tmp_path):
+    """bench/rm_kinds.py and bench/rm_verifier.py (the README's numbers for what a reward model
+    of the task tells apart) on a random-weight reward model and policy of the embedded size."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoTokenizer
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    rm = AutoModelForSequenceClassification.from_pretrained("assets/tiny-llama", num_labels=1)
+    rm.config.reward_mean = 0.0  # as train_rm.py's export records them
+    rm.config.reward_std = 1.0
+    rm.save_pretrained(tmp_path / "rm")
+    AutoTokenizer.from_pretrained("assets/tiny-llama").save_pretrained(tmp_path / "rm")
+    kinds = run_py("bench/rm_kinds.py", tmp_path / "rm", "assets/tiny-llama")
+    assert kinds.returncode == 0, kinds.stderr[-3000:]
+    assert "on-policy" in kinds.stdout, kinds.stdout[-3000:]
+    verifier = run_py("bench/rm_verifier.py", tmp_path / "rm", "assets/tiny-llama", "16")
+    assert verifier.returncode == 0, verifier.stderr[-3000:]
+    for line in ("training pairs:", "on-policy:", "within a prompt:", "accepting 10% of"):
+        assert line in verifier.stdout, verifier.stdout[-3000:]
