@@ -1354,7 +1354,9 @@ def logprob_gap(exp, engine_logprobs, order):
     """|log pi_engine(y_t) - log pi_old(y_t)| for every sampled token, [B, R], zero on padding:
     the engine's logprobs (sampling distribution, temperature applied) against the actor's own.
     It proves, every step, that PPO trains the policy the responses were sampled from: 1e-7 to
-    1e-6 on average on CPU (fp32 both), about 1e-2 with a bf16 engine on GPU. A stale weight sync,
+    1e-6 on average on CPU (fp32 both). On a GPU both sides compute in bf16 with kernels of their
+    own, and bf16's rounding alone moves a logprob by ~5e-3 on average (measured on the CPU:
+    bench/RESULTS.md, "The LM head in bf16"; tests/test_gpu.py allows 5e-2). A stale weight sync,
     a sampling setting the trainer does not apply or a mismatched attention kernel shows up here
     first."""
     mask = exp.batch.response_mask
