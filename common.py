@@ -965,7 +965,8 @@ def _check_rows(path, check_row, lines, digest):
         if not line.strip():
             continue
         try:
-            row = json.loads(line, object_pairs_hook=unique_keys)
+            # without its newline: a row cut short would be "line 2 column 1" of itself
+            row = json.loads(line.rstrip("\r\n"), object_pairs_hook=unique_keys)
         except ValueError as e:
             raise SystemExit(f"error: {path}:{n}: not valid JSON ({e})")
         except RecursionError:  # `[[[[...` 100,000 deep: the parser's recursion, not a row

@@ -64,7 +64,7 @@ def test_bad_flags(tmp_path, extra, needles):
     [
         (
             '{"prompt": "1+1=", "response": "2"}\n{"prompt": "1+1=", \n',
-            ["bad.jsonl:2: not valid JSON"],
+            ["bad.jsonl:2: not valid JSON", "line 1 column"],  # the row's own line, not 2
         ),
         (
             '{"prompt": "1+1=", "response": "2"}\n{"prompt": "2+2="}\n',
