@@ -113,11 +113,11 @@ def check_loss_flags(args):
 
 # ---- the math ----------------------------------------------------------------------------------
 def encode_pairs(tok, rows, max_len):
-    """[((chosen ids, n_prompt), (rejected ids, n_prompt))] of [(where, {"prompt", "chosen",
-    "rejected"})] rows (`common.encode_pair`: the prompt, the response and its end, the end a
-    response token, so DPO also learns where to stop). A prompt must have a token: the response's
-    first logprob is predicted from the one before it."""
-    pairs = []
+    """[((chosen ids, n_prompt), (rejected ids, n_prompt))] (a `common.TokenRows`) of
+    [(where, {"prompt", "chosen", "rejected"})] rows (`common.encode_pair`: the prompt, the
+    response and its end, the end a response token, so DPO also learns where to stop). A prompt
+    must have a token: the response's first logprob is predicted from the one before it."""
+    pairs = common.TokenRows()  # int32 ids: a list of lists of ints takes ~10x more memory
     for where, row in rows:
         chosen, rejected = common.encode_pair(tok, row, max_len, where)
         ids, n_prompt = chosen

@@ -128,11 +128,11 @@ class Pair(typing.NamedTuple):
 
 
 def encode_pairs(tok, rows, max_len, margin=0.0):
-    """[Pair] of [(where, {"prompt", "chosen", "rejected"})] rows, each sequence the prompt, the
-    response and its end (`common.encode_pair`, as PPO scores a finished response). The reward
-    model reads the whole sequence, so the prompt's length is not kept. A pair's margin is its
-    row's "margin" field (`pair_margin`), else `margin` (--margin)."""
-    pairs = []
+    """[Pair] (a `common.TokenRows`) of [(where, {"prompt", "chosen", "rejected"})] rows, each
+    sequence the prompt, the response and its end (`common.encode_pair`, as PPO scores a finished
+    response). The reward model reads the whole sequence, so the prompt's length is not kept. A
+    pair's margin is its row's "margin" field (`pair_margin`), else `margin` (--margin)."""
+    pairs = common.TokenRows()  # int32 ids: a list of lists of ints takes ~10x more memory
     given = "margin" in common.given_flags()  # --margin 0 spelt out is a margin given too
     for where, row in rows:
         (chosen, _), (rejected, _) = common.encode_pair(tok, row, max_len, where)

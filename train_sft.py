@@ -144,9 +144,9 @@ def batch_tokens(examples):
 
 # ---- the phases --------------------------------------------------------------------------------
 def load_data(args, tok, max_len):
-    """(training examples as (input_ids, n_prompt), held-out {"prompt", "response"} rows); the
-    rows come as [(where, row)] (`common.load_examples`: a {"messages"} row is one example per
-    assistant turn), so an error names a row's file and line."""
+    """(training examples as (input_ids, n_prompt) in a `common.TokenRows`, held-out {"prompt",
+    "response"} rows); the rows come as [(where, row)] (`common.load_examples`: a {"messages"} row
+    is one example per assistant turn), so an error names a row's file and line."""
     if args.data:
         train = common.load_examples(args.data, tok, max_len)
     else:
@@ -158,7 +158,8 @@ def load_data(args, tok, max_len):
     else:
         held_out = common.numbered("embedded task", task.make_split("test"))
     source = args.data or "embedded task"
-    train = [encode(tok, ex, max_len, where) for where, ex in train]
+    # int32 ids, encoded row by row (`common.TokenRows`): a list of lists of ints takes ~10x more
+    train = common.TokenRows(encode(tok, ex, max_len, where) for where, ex in train)
     # a response that renders to nothing (blank, or whitespace the template trims) trains the
     # end of the turn alone: legal, but more often a data bug (a lost answer) than a lesson
     empty = sum(1 for ids, n_prompt in train if len(ids) - n_prompt == 1)

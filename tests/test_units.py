@@ -117,6 +117,33 @@ def test_batch_indices_cover_each_epoch_once_and_are_pure():
     assert common.batch_indices(4, n, bs, seed + 1) != common.batch_indices(4, n, bs, seed)
 
 
+def test_token_rows_give_back_the_rows_appended():
+    """common.TokenRows stores the ids as int32 and gives every row back as it was appended:
+    ragged and empty lists, ids at int32's ends, nested tuples (DPO's pairs), NamedTuples with a
+    float (RM's Pair); indexing, negative indices, slices (`eval_share`) and iteration."""
+    top = 2**31 - 1
+    sft = [([1, 2, 3], 1), ([], 0), ([top, 0, top - 1], 2), ([300] * 1000, 999), ([-(2**31)], 0)]
+    rows = common.TokenRows(iter(sft))  # a generator: filled as rows come
+    assert len(rows) == 5 and list(rows) == sft and rows[-2] == sft[-2] and rows[1:4] == sft[1:4]
+    assert type(rows[0]) is tuple and type(rows[0][0]) is list and type(rows[0][1]) is int
+    with pytest.raises(IndexError):
+        rows[5]
+    dpo = [(([5, top], 1), ([5], 1)), (([], 0), ([7, 8, 9], 2))]
+    assert list(common.TokenRows(dpo)) == dpo
+    pairs = common.TokenRows()
+    pairs.append(train_rm.Pair([1, top], [1], 0.5))
+    pairs.append(train_rm.Pair([], [2, 3], -1.0))
+    assert type(pairs[1]) is train_rm.Pair and pairs[1] == train_rm.Pair([], [2, 3], -1.0)
+    assert pairs[0].margin == 0.5 and [p.chosen for p in pairs] == [[1, top], []]
+    # an id int32 cannot hold is refused, and nothing of its row is kept
+    for bad in (2**31, -(2**31) - 1):
+        with pytest.raises(ValueError, match="row 5 has a token id outside int32"):
+            rows.append(([1, bad], 0))
+    assert len(rows) == 5 and list(rows) == sft and len(rows.ids) == 1007
+    with pytest.raises(ValueError, match="row 5 is laid out as"):
+        rows.append((([1], 0), ([2], 0)))  # a pair among single sequences
+
+
 def test_encode_appends_eos_and_rejects_overlong():
     from transformers import AutoTokenizer
 
