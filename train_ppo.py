@@ -732,18 +732,18 @@ def reward_normalisation(config, where):
 
 
 def load_prompts(rows, tok, max_new_tokens, context, reward_tok=None):
-    """[(prompt token ids, row)] of [(where, {"prompt", ...})] rows, each row as the data gives
-    it: its prompt (a string, or a conversation: `common.check_conversation`), which the reward
-    function and the reward model get, and any other fields, which a reward function may take
-    (`rule_parameters`). A prompt with no room for a response is an error naming its row, and so
-    is one the reward model's chat template (`reward_tok`, if it has its own) fails on: found
-    now, not at the rollout that samples it."""
+    """[(prompt token ids, row)] (a `common.TokenRows`) of [(where, {"prompt", ...})] rows, each
+    row as the data gives it: its prompt (a string, or a conversation:
+    `common.check_conversation`), which the reward function and the reward model get, and any
+    other fields, which a reward function may take (`rule_parameters`). A prompt with no room for
+    a response is an error naming its row, and so is one the reward model's chat template
+    (`reward_tok`, if it has its own) fails on: found now, not at the rollout that samples it."""
     if max_new_tokens >= context:  # no prompt fits: say so, not that the first prompt is long
         raise SystemExit(
             f"error: --max_new_tokens {max_new_tokens}: the model's context holds {context} "
             "tokens, prompt and response together"
         )
-    items = []
+    items = common.TokenRows()  # int32 ids: a list of lists of ints takes ~10x more memory
     for where, row in rows:
         prompt = row["prompt"]
         text = common.prompt_content(tok, prompt, where)
@@ -1715,7 +1715,8 @@ def main(args):
     # the export stops where responses end (a chat template's end of turn may not be listed)
     export_generation_config = common.stopping_at(models.actor.generation_config, stop_ids)
     # The engine before the checkpoint: vLLM seeds the global RNGs while it starts.
-    longest = max(len(ids) for ids, _ in train + held_out) + args.max_new_tokens  # its KV cache
+    longest_prompt = max(len(ids) for rows in (train, held_out) for ids, _ in rows)
+    longest = longest_prompt + args.max_new_tokens  # its KV cache
     engine = rollout.build_engine(
         args.rollout_engine,
         args.model,

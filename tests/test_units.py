@@ -120,7 +120,8 @@ def test_batch_indices_cover_each_epoch_once_and_are_pure():
 def test_token_rows_give_back_the_rows_appended():
     """common.TokenRows stores the ids as int32 and gives every row back as it was appended:
     ragged and empty lists, ids at int32's ends, nested tuples (DPO's pairs), NamedTuples with a
-    float (RM's Pair); indexing, negative indices, slices (`eval_share`) and iteration."""
+    float (RM's Pair), a data row (PPO's prompts); indexing, negative indices, slices
+    (`eval_share`) and iteration."""
     top = 2**31 - 1
     sft = [([1, 2, 3], 1), ([], 0), ([top, 0, top - 1], 2), ([300] * 1000, 999), ([-(2**31)], 0)]
     rows = common.TokenRows(iter(sft))  # a generator: filled as rows come
@@ -135,6 +136,8 @@ def test_token_rows_give_back_the_rows_appended():
     pairs.append(train_rm.Pair([], [2, 3], -1.0))
     assert type(pairs[1]) is train_rm.Pair and pairs[1] == train_rm.Pair([], [2, 3], -1.0)
     assert pairs[0].margin == 0.5 and [p.chosen for p in pairs] == [[1, top], []]
+    row = {"prompt": [{"role": "user", "content": "1+2="}], "answer": 3}  # PPO's: kept as it is
+    assert common.TokenRows([([40000, 40001], row)])[0] == ([40000, 40001], row)
     # an id int32 cannot hold is refused, and nothing of its row is kept
     for bad in (2**31, -(2**31) - 1):
         with pytest.raises(ValueError, match="row 5 has a token id outside int32"):
