@@ -1745,9 +1745,10 @@ def test_a_special_tokens_text_in_data_is_refused(one_rank):
 
 
 def test_the_reward_model_reads_a_sentencepiece_response_with_its_first_space():
-    """A SentencePiece tokenizer (Llama 2, Mistral; no template) opens a response after "a:" with
-    "▁8": decoded alone it is "82", and the reward model read "8" "2", not the "▁8" "2" its pairs
-    trained. `written_text` keeps the text training would encode back into the policy's ids."""
+    """A SentencePiece tokenizer (Llama 2, Mistral; no template) opens a response after "a:"
+    with "▁8": decoded alone it is "82", and the reward model read "8" "2", not the "▁8" "2"
+    its pairs trained. `written_text` keeps the text training would encode back into the
+    policy's ids."""
     tok = sentencepiece_like_tokenizer()
     row = {"prompt": "a:", "chosen": " 82", "rejected": " 81"}
     (chosen, n_prompt), _ = common.encode_pair(tok, row, 128, "x")
