@@ -23,6 +23,7 @@ Reading order: `Args`; the math (`encode_pairs`, `collate`, `sequence_logprobs`,
 """
 
 import dataclasses
+import functools
 import time
 import typing
 
@@ -117,13 +118,17 @@ def encode_pairs(tok, rows, max_len):
     [(where, {"prompt", "chosen", "rejected"})] rows (`common.encode_pair`: the prompt, the
     response and its end, the end a response token, so DPO also learns where to stop). A prompt
     must have a token: the response's first logprob is predicted from the one before it."""
-    pairs = common.TokenRows()  # int32 ids: a list of lists of ints takes ~10x more memory
-    for where, row in rows:
-        chosen, rejected = common.encode_pair(tok, row, max_len, where)
-        ids, n_prompt = chosen
-        common.check_prompt_ids(ids[:n_prompt], where)
-        pairs.append((chosen, rejected))
-    return pairs
+    encode = functools.partial(encode_row, tok, max_len=max_len)
+    # int32 ids (a list of lists of ints takes ~10x more), each rank encoding a share of the rows
+    return common.encode_rows(rows, encode)
+
+
+def encode_row(tok, row, max_len, where):
+    """One row's (chosen, rejected) (`encode_pairs`)."""
+    chosen, rejected = common.encode_pair(tok, row, max_len, where)
+    ids, n_prompt = chosen
+    common.check_prompt_ids(ids[:n_prompt], where)
+    return chosen, rejected
 
 
 def collate(sequences, pad_id):

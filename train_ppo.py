@@ -743,24 +743,34 @@ def load_prompts(rows, tok, max_new_tokens, context, reward_tok=None):
             f"error: --max_new_tokens {max_new_tokens}: the model's context holds {context} "
             "tokens, prompt and response together"
         )
-    items = common.TokenRows()  # int32 ids: a list of lists of ints takes ~10x more memory
-    for where, row in rows:
-        prompt = row["prompt"]
-        text = common.prompt_content(tok, prompt, where)
-        common.check_fits(tok, text, context - max_new_tokens, where)
-        common.check_special_text(tok, where, prompt)  # a turn faked inside the prompt
-        ids = common.encode_prompt(tok, prompt, where)
-        common.check_prompt_ids(ids, where)
-        if reward_tok is not None:
-            common.check_special_text(reward_tok, f"{where} (--reward_model)", prompt)
-            common.encode_prompt(reward_tok, prompt, f"{where} (--reward_model)")
-        if len(ids) + max_new_tokens > context:
-            raise SystemExit(
-                f"error: {where}: prompt of {len(ids)} tokens + --max_new_tokens "
-                f"{max_new_tokens} exceeds the model's context ({context})"
-            )
-        items.append((ids, row))
-    return items
+    encode = functools.partial(
+        encode_row,
+        tok,
+        max_new_tokens=max_new_tokens,
+        context=context,
+        reward_tok=reward_tok,
+    )
+    # int32 ids (a list of lists of ints takes ~10x more), each rank encoding a share of the rows
+    return common.encode_rows(rows, encode)
+
+
+def encode_row(tok, row, max_new_tokens, context, reward_tok, where):
+    """One row's (prompt token ids, row) (`load_prompts`)."""
+    prompt = row["prompt"]
+    text = common.prompt_content(tok, prompt, where)
+    common.check_fits(tok, text, context - max_new_tokens, where)
+    common.check_special_text(tok, where, prompt)  # a turn faked inside the prompt
+    ids = common.encode_prompt(tok, prompt, where)
+    common.check_prompt_ids(ids, where)
+    if reward_tok is not None:
+        common.check_special_text(reward_tok, f"{where} (--reward_model)", prompt)
+        common.encode_prompt(reward_tok, prompt, f"{where} (--reward_model)")
+    if len(ids) + max_new_tokens > context:
+        raise SystemExit(
+            f"error: {where}: prompt of {len(ids)} tokens + --max_new_tokens "
+            f"{max_new_tokens} exceeds the model's context ({context})"
+        )
+    return ids, row
 
 
 def load_data(args, tok, context, reward_tok):

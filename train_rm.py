@@ -132,12 +132,16 @@ def encode_pairs(tok, rows, max_len, margin=0.0):
     sequence the prompt, the response and its end (`common.encode_pair`, as PPO scores a finished
     response). The reward model reads the whole sequence, so the prompt's length is not kept. A
     pair's margin is its row's "margin" field (`pair_margin`), else `margin` (--margin)."""
-    pairs = common.TokenRows()  # int32 ids: a list of lists of ints takes ~10x more memory
     given = "margin" in common.given_flags()  # --margin 0 spelt out is a margin given too
-    for where, row in rows:
-        (chosen, _), (rejected, _) = common.encode_pair(tok, row, max_len, where)
-        pairs.append(Pair(chosen, rejected, pair_margin(where, row, margin, given)))
-    return pairs
+    encode = functools.partial(encode_row, tok, max_len=max_len, margin=margin, given=given)
+    # int32 ids (a list of lists of ints takes ~10x more), each rank encoding a share of the rows
+    return common.encode_rows(rows, encode)
+
+
+def encode_row(tok, row, max_len, where, margin, given):
+    """One row's Pair (`encode_pairs`)."""
+    (chosen, _), (rejected, _) = common.encode_pair(tok, row, max_len, where)
+    return Pair(chosen, rejected, pair_margin(where, row, margin, given))
 
 
 def pair_margin(where, row, margin, given=False):

@@ -14,6 +14,7 @@ sharding, logging) is in common.py.
 """
 
 import dataclasses
+import functools
 import time
 
 import torch
@@ -158,8 +159,9 @@ def load_data(args, tok, max_len):
     else:
         held_out = common.numbered("embedded task", task.make_split("test"))
     source = args.data or "embedded task"
-    # int32 ids, encoded row by row (`common.TokenRows`): a list of lists of ints takes ~10x more
-    train = common.TokenRows(encode(tok, ex, max_len, where) for where, ex in train)
+    # int32 ids (`common.TokenRows`: a list of lists of ints takes ~10x more), each rank
+    # encoding a share of the rows (`common.encode_rows`)
+    train = common.encode_rows(train, functools.partial(encode, tok, max_len=max_len))
     # a response that renders to nothing (blank, or whitespace the template trims) trains the
     # end of the turn alone: legal, but more often a data bug (a lost answer) than a lesson
     empty = sum(1 for ids, n_prompt in train if len(ids) - n_prompt == 1)

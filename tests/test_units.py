@@ -24,6 +24,7 @@ import train_sft
 from conftest import REPO
 from conftest import THINKING_TEMPLATE
 from conftest import NoKeep
+from conftest import run
 from conftest import tiny_llama
 from conftest import write_small_checkpoint
 
@@ -145,6 +146,17 @@ def test_token_rows_give_back_the_rows_appended():
     assert len(rows) == 5 and list(rows) == sft and len(rows.ids) == 1007
     with pytest.raises(ValueError, match="row 5 is laid out as"):
         rows.append((([1], 0), ([2], 0)))  # a pair among single sequences
+
+
+@pytest.mark.slow
+def test_ranks_encode_shares_of_the_rows_and_all_get_every_row(tmp_path):
+    """common.encode_rows on 2 ranks (tests/encode_check.py): each rank encodes half the rows,
+    and every rank ends with the ids, lists and other fields one process makes (SFT's examples,
+    the reward model's Pair, PPO's prompt rows), for fewer rows than ranks too; a bad row in
+    either half, or one on each side of the split, is named as one process names it."""
+    task.make_tokenizer(str(tmp_path))
+    p = run("tests/encode_check.py", tmp_path)
+    assert "encode_rows: ok" in p.stdout
 
 
 def test_encode_appends_eos_and_rejects_overlong():
