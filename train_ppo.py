@@ -869,9 +869,10 @@ def check_engine_flags(args):
 
 
 def check_kl_estimator(args):
-    """--kl_estimator picks the KL in the reward: grpo's KL is a loss term (k3, eq. 4), and
-    without a reference (--kl_coef 0, no --target_kl) there is no KL; there it would do nothing,
-    so it is refused in one line."""
+    """--kl_estimator picks the KL in the reward: grpo's KL is a loss term (k3, eq. 4), and at
+    --kl_coef 0 the reward weighs no KL (a --target_kl's controller scales beta by a factor, so
+    from 0 it stays 0: the KL is only logged, as k1); there it would do nothing, so it is
+    refused in one line."""
     if args.kl_estimator == "k1":
         return
     if kl_in_loss(args):
@@ -879,10 +880,10 @@ def check_kl_estimator(args):
             f"error: --kl_estimator {args.kl_estimator} picks the KL in the reward (gae, rloo); "
             "grpo's KL is a loss term, k3 already (Shao et al. 2024, eq. 4)"
         )
-    if not uses_reference(args):
+    if args.kl_coef == 0:
         raise SystemExit(
-            f"error: --kl_estimator {args.kl_estimator}: --kl_coef 0 (and no --target_kl) "
-            "weighs no KL, and no reference is run"
+            f"error: --kl_estimator {args.kl_estimator}: --kl_coef 0 weighs no KL in the reward "
+            "(a --target_kl scales beta from 0 to 0: it only logs the KL, as k1)"
         )
 
 

@@ -709,16 +709,18 @@ def test_gae_only_flags_with_grpo_are_refused():
 
 def test_a_kl_estimator_that_would_do_nothing_is_refused():
     """--kl_estimator picks the KL in the reward: grpo's is a k3 loss term, and --kl_coef 0
-    runs no reference."""
+    weighs none, with a --target_kl too (its controller scales beta from 0 to 0)."""
     import train_ppo
 
     args = train_ppo.Args(advantage_estimator="grpo", kl_estimator="k3")
     with pytest.raises(SystemExit, match="--kl_estimator k3 picks the KL in the reward"):
         train_ppo.check_args(args, 1)
-    with pytest.raises(SystemExit, match="--kl_estimator k3: --kl_coef 0 .and no --target_kl."):
-        train_ppo.check_args(train_ppo.Args(kl_estimator="k3", kl_coef=0.0), 1)
+    for target_kl in (0.0, 1.0):
+        args = train_ppo.Args(kl_estimator="k3", kl_coef=0.0, target_kl=target_kl)
+        with pytest.raises(SystemExit, match="--kl_estimator k3: --kl_coef 0 weighs no KL"):
+            train_ppo.check_args(args, 1)
     train_ppo.check_args(train_ppo.Args(kl_estimator="k3"), 1)
-    train_ppo.check_args(train_ppo.Args(kl_estimator="k3", kl_coef=0.0, target_kl=1.0), 1)
+    train_ppo.check_args(train_ppo.Args(kl_estimator="k3", kl_coef=0.01, target_kl=1.0), 1)
 
 
 @pytest.mark.parametrize("estimator", ["gae", "rloo"])
