@@ -1724,6 +1724,7 @@ def encode_rows(rows, encode):
     group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT.get("timeout"))
     mine = TokenRows()
     failure = None  # (index in rows, the error line) of this share's first bad row
+    error = None  # what it raised
     for i in range(len(rows) * rank // world, len(rows) * (rank + 1) // world):
         where, row = rows[i]
         try:
@@ -1732,12 +1733,21 @@ def encode_rows(rows, encode):
             if not isinstance(e.code, str):  # an exit status, not an error line
                 raise
             failure = (i, e.code)
+            error = e
+            break
+        # A bug (no error line): its traceback is this rank's to print; the others, which
+        # would wait for it until --timeout_minutes, stop with a line that points to it
+        except Exception as e:
+            failure = (i, f"error: {where}: rank {rank} failed to encode it: {e!r:.200}")
+            error = e
             break
     failures = [None] * world
     dist.all_gather_object(failures, failure, group=group)  # all stop, or none
     named = [failure for failure in failures if failure is not None]
     if named:
         dist.destroy_process_group(group)
+        if min(named) == failure:  # this rank's share holds the data's first bad row
+            raise error
         raise SystemExit(min(named)[1])
     encoded = TokenRows()
     for source in range(world):

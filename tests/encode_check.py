@@ -1,7 +1,8 @@
 """Run by tests/test_units.py under torchrun (2 ranks): `common.encode_rows`, where each rank
 encodes a share of the rows, gives every rank what one process encoding them all would (the same
 ids, lists and other fields, in the same order), for sets smaller than the world too, and names
-the data's first bad row whichever rank's share holds it, on every rank.
+the data's first bad row whichever rank's share holds it, on every rank; a bug (an exception,
+no error line) raises on its rank and stops the other with a line naming it.
 
 Argument: a tokenizer's folder (the tiny model's, `task.make_tokenizer`)."""
 
@@ -43,6 +44,22 @@ def error_line(make, rows, encode):
     return None
 
 
+def broken(encode, row, where):
+    """encode, but a bug (a ValueError, no error line) at the 61st row, in rank 1's share."""
+    if where == "embedded task:61":
+        raise ValueError("a bug")
+    return encode(row, where=where)
+
+
+def raised(rows, encode):
+    """What encode_rows raised."""
+    try:
+        common.encode_rows(rows, encode)
+    except (SystemExit, ValueError) as e:
+        return e
+    raise AssertionError("encode_rows raised nothing")
+
+
 def main(folder):
     common.init_distributed(seed=0)
     tok = AutoTokenizer.from_pretrained(folder)
@@ -69,6 +86,17 @@ def main(folder):
         line = error_line(common.encode_rows, data, encode)
         assert line is not None and line.startswith(f"error: embedded task:{first + 1}:"), line
         assert line == error_line(alone, data, encode), line  # the line one process gives
+    # a bug's traceback on its rank; the other stops with a line naming the row and the rank,
+    # where it would have waited for it in the next collective
+    e = raised(rows, functools.partial(broken, encode))
+    if dist.get_rank() == 1:
+        assert isinstance(e, ValueError) and str(e) == "a bug", e
+    else:
+        line = "error: embedded task:61: rank 1 failed to encode it: ValueError('a bug')"
+        assert isinstance(e, SystemExit) and e.code == line, e
+    # a bad row before it, on rank 0, is the data's first
+    e = raised(rows[:40] + bad[40:41] + rows[41:], functools.partial(broken, encode))
+    assert isinstance(e, SystemExit) and e.code.startswith("error: embedded task:41: "), e
     dist.barrier()
     if dist.get_rank() == 0:
         print("encode_rows: ok")
