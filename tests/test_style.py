@@ -299,3 +299,41 @@ def test_stages_share_their_common_flags_without_copying_them():
         model_help = text.index("--model ", own_group)
         assert model_help < shared_group < text.index("--resume ", shared_group), text
         assert all(text.count(f"--{name} ") == 2 for name in shared), text  # usage + help
+
+
+def test_readme_commands_and_flag_values_parse(monkeypatch):
+    """Every `./launch.sh <stage> ...` command the README shows parses with that stage's flags
+    (a renamed flag, a choice that is gone, a value out of range would fail the reader's first
+    try), and every `--flag value` it quotes of a flag with choices (a Literal or a bool) names
+    one of them."""
+    sys.path.insert(0, REPO)
+    import common
+    import train_dpo
+    import train_ppo
+    import train_rm
+    import train_sft
+
+    stages = {"sft": train_sft, "rm": train_rm, "ppo": train_ppo, "dpo": train_dpo}
+    readme = open(os.path.join(REPO, "README.md")).read().replace("\\\n", " ")
+    # up to the end of the code span or line, a comment or the shell's & | ; < >
+    commands = re.findall(r"\./launch\.sh (sft|rm|ppo|dpo)( --[^`#\n&|;<>]*)", readme)
+    assert len(commands) >= 10, commands
+    for stage, line in commands:
+        words = re.sub(r"\[[^\]]*\]", "", line).replace("...", "").split()
+        try:
+            monkeypatch.setattr(sys, "argv", [f"train_{stage}.py", *words])
+            common.parse_args(stages[stage].Args, stages[stage].LIMITS)
+        except SystemExit as e:
+            raise AssertionError(f"README: ./launch.sh {stage}{line}: {e.code}") from None
+    choices = {}
+    for stage in stages.values():
+        for action in common.build_parser(stage.Args)._actions:
+            if action.choices:
+                choices[action.option_strings[0]] = set(map(str, action.choices))
+            if action.type is common.parse_bool:
+                choices[action.option_strings[0]] = {"true", "false"}
+    quoted = re.findall(r"`(--\w+) ([\w|.-]+)`", readme)
+    checked = [(flag, value) for flag, value in quoted if flag in choices]
+    assert len(checked) >= 15, checked
+    wrong = [f"{flag} {value}" for flag, value in checked if set(value.split("|")) - choices[flag]]
+    assert not wrong, f"the README quotes values these flags do not take: {wrong}"
