@@ -1722,25 +1722,8 @@ def encode_rows(rows, encode):
     # gloo: the rows live in CPU memory, and an NCCL group would move them through the GPU. The
     # run's --timeout_minutes: a rank whose share is slow to encode keeps the others waiting
     group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT.get("timeout"))
-    mine = TokenRows()
-    failure = None  # (index in rows, the error line) of this share's first bad row
-    error = None  # what it raised
-    for i in range(len(rows) * rank // world, len(rows) * (rank + 1) // world):
-        where, row = rows[i]
-        try:
-            mine.append(encode(row, where=where))
-        except SystemExit as e:
-            if not isinstance(e.code, str):  # an exit status, not an error line
-                raise
-            failure = (i, e.code)
-            error = e
-            break
-        # A bug (no error line): its traceback is this rank's to print; the others, which
-        # would wait for it until --timeout_minutes, stop with a line that points to it
-        except Exception as e:
-            failure = (i, f"error: {where}: rank {rank} failed to encode it: {e!r:.200}")
-            error = e
-            break
+    share = range(len(rows) * rank // world, len(rows) * (rank + 1) // world)
+    mine, failure, error = _encode_share(rows, share, encode)
     failures = [None] * world
     dist.all_gather_object(failures, failure, group=group)  # all stop, or none
     named = [failure for failure in failures if failure is not None]
@@ -1754,6 +1737,26 @@ def encode_rows(rows, encode):
         encoded.join(_broadcast_share(mine, source, group))
     dist.destroy_process_group(group)
     return encoded
+
+
+def _encode_share(rows, share, encode):
+    """(TokenRows of this rank's `share`, a range of indices into `rows`; (index, error line) of
+    its first bad row or None; what that row raised) for `encode_rows`."""
+    mine = TokenRows()
+    for i in share:
+        where, row = rows[i]
+        try:
+            mine.append(encode(row, where=where))
+        except SystemExit as e:
+            if not isinstance(e.code, str):  # an exit status, not an error line
+                raise
+            return mine, (i, e.code), e
+        # A bug (no error line): its traceback is this rank's to print; the others, which
+        # would wait for it until --timeout_minutes, stop with a line that points to it
+        except Exception as e:
+            line = f"error: {where}: rank {dist.get_rank()} failed to encode it: {e!r:.200}"
+            return mine, (i, line), e
+    return mine, None, None
 
 
 def _broadcast_share(mine, source, group):
