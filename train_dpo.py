@@ -24,6 +24,7 @@ Reading order: `Args`; the math (`encode_pairs`, `collate`, `sequence_logprobs`,
 
 import dataclasses
 import functools
+import math
 import time
 import typing
 
@@ -105,6 +106,15 @@ def check_loss_flags(args):
     """The flags that depend on each other, checked before any model loads (one line each)."""
     if args.loss_type == "ipo" and args.label_smoothing:
         raise SystemExit("error: --label_smoothing applies to --loss_type sigmoid only, not ipo")
+    # IPO's target 1/(2β) is squared, and the squares of a batch summed, in float32: past its
+    # range the first loss is inf, which the step's check would blame on --lr
+    most = torch.finfo(torch.float32).max / args.train_batch_size  # one pair's loss at most
+    if args.loss_type == "ipo" and (1 / (2 * args.beta)) ** 2 > most:
+        raise SystemExit(
+            f"error: --beta {args.beta:g}: IPO's target 1/(2 beta) = {1 / (2 * args.beta):.3g}, "
+            f"whose square summed over --train_batch_size {args.train_batch_size} pairs float32 "
+            f"cannot hold; expected --beta above {math.sqrt(1 / most) / 2:.2g}"
+        )
     if args.label_smoothing >= 0.5:
         raise SystemExit(
             f"error: --label_smoothing {args.label_smoothing}: must be below 0.5 (at 0.5 the "

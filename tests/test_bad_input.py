@@ -674,11 +674,12 @@ def test_gold_reward_needs_a_reward_model(tmp_path):
     [
         (["--beta", "0"], ["--beta"]),
         (["--loss_type", "ipo", "--label_smoothing", "0.1"], ["--label_smoothing", "ipo"]),
+        (["--loss_type", "ipo", "--beta", "1e-30"], ["--beta 1e-30", "float32 cannot hold"]),
         (["--label_smoothing", "0.5"], ["--label_smoothing 0.5", "below 0.5"]),
         (["--train_batch_size", "10", "--micro_batch_size", "4"], ["--train_batch_size 10"]),
         (["--data", "PAIRS"], ["pairs.jsonl:2: expected a string field 'rejected'"]),
     ],
-    ids=["beta", "ipo-smoothing", "smoothing-half", "batch-sizes", "missing-field"],
+    ids=["beta", "ipo-smoothing", "ipo-beta", "smoothing-half", "batch-sizes", "missing-field"],
 )
 def test_dpo_bad_input(tmp_path, extra, needles):
     import task
