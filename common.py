@@ -1622,7 +1622,7 @@ class TokenRows:
     (numbers), and such tuples, every row of the same layout; `rows[i]` builds the row appended
     (new lists of ints, equal to the old), a slice is a list of rows, and iterating gives them
     in order. Rows are added one at a time (`append`, or the constructor from any iterable), so
-    the lists of ints never exist all at once.
+    the lists of ints never exist all at once; or a share encoded elsewhere at once (`join`).
 
     Why: a list holds each id above 256 as a pointer to an int object of its own (CPython shares
     only the small ints), 8 + 28 bytes and the list's spare room, against 4 here: measured
@@ -1726,15 +1726,18 @@ def encode_rows(rows, encode):
     mine, failure, error = _encode_share(rows, share, encode)
     failures = [None] * world
     dist.all_gather_object(failures, failure, group=group)  # all stop, or none
-    named = [failure for failure in failures if failure is not None]
+    named = [found for found in failures if found is not None]
     if named:
         dist.destroy_process_group(group)
-        if min(named) == failure:  # this rank's share holds the data's first bad row
+        first = min(named)
+        if first == failure:  # this rank's share holds the data's first bad row
             raise error
-        raise SystemExit(min(named)[1])
+        raise SystemExit(first[1])
     encoded = TokenRows()
     for source in range(world):
         encoded.join(_broadcast_share(mine, source, group))
+        if source == rank:
+            mine = None  # its rows are in `encoded` now: one share in flight at most, not two
     dist.destroy_process_group(group)
     return encoded
 
@@ -1748,9 +1751,10 @@ def _encode_share(rows, share, encode):
         try:
             mine.append(encode(row, where=where))
         except SystemExit as e:
-            if not isinstance(e.code, str):  # an exit status, not an error line
-                raise
-            return mine, (i, e.code), e
+            if isinstance(e.code, str):  # an error line, not an exit status
+                return mine, (i, e.code), e
+            line = f"error: {where}: rank {dist.get_rank()} exited encoding it (status {e.code!r})"
+            return mine, (i, line), e
         # A bug (no error line): its traceback is this rank's to print; the others, which
         # would wait for it until --timeout_minutes, stop with a line that points to it
         except Exception as e:

@@ -109,11 +109,13 @@ def check_loss_flags(args):
     # IPO's target 1/(2β) is squared, and the squares of a batch summed, in float32: past its
     # range the first loss is inf, which the step's check would blame on --lr
     most = torch.finfo(torch.float32).max / args.train_batch_size  # one pair's loss at most
-    if args.loss_type == "ipo" and (1 / (2 * args.beta)) ** 2 > most:
+    # compared as beta, not as the square: Python's float ** raises OverflowError past 1.8e308
+    least = 1 / (2 * math.sqrt(most))
+    if args.loss_type == "ipo" and args.beta < least:
         raise SystemExit(
             f"error: --beta {args.beta:g}: IPO's target 1/(2 beta) = {1 / (2 * args.beta):.3g}, "
             f"whose square summed over --train_batch_size {args.train_batch_size} pairs float32 "
-            f"cannot hold; expected --beta above {math.sqrt(1 / most) / 2:.2g}"
+            f"cannot hold; expected --beta of at least {least:.3g}"
         )
     if args.label_smoothing >= 0.5:
         raise SystemExit(
