@@ -1710,7 +1710,7 @@ def encode_rows(rows, encode):
     response tokenized as it continues the prompt: ~0.3 ms a row on this machine's cores), done
     again at every resume, and every rank holds the whole data set. When each rank encoded all
     of it, a node's 8 ranks each spent the whole time; now each spends an eighth (measured on 2
-    ranks, SFT on 200k rows: the data ready after 65 s -> 36 s, peak RSS 534 -> 571 MB).
+    ranks, SFT on 200k rows: the data ready after 65 s -> 35 s, peak RSS 534 -> 555 MB).
     The first row that fails, in the data's order, is the one named, as when one process encodes
     them all: each rank stops at its own first failure, and the earliest of those is the data's
     first bad row. Watch for: `encode` must be a function of its row alone (no state carried
