@@ -506,9 +506,12 @@ def print_plan(args, unit, n_train, n_held_out, per_step, step_name="steps"):
     held_out = "no held-out evaluation"
     if n_held_out:
         held_out = f"{n_held_out:,} held out for evaluation"
+    steps = f"{args.max_steps:,} {step_name}"
+    if args.max_steps == 1:
+        steps = f"1 {step_name.removesuffix('s')}"  # "1 step of 8", not "1 steps"
     print0(
-        f"data: {n_train:,} {unit} from {source} ({args.max_steps:,} {step_name} of {per_step:,}: "
-        f"{passes} epochs); {held_out}"
+        f"data: {n_train:,} {unit} from {source} ({steps} of {per_step:,}: {passes} epochs); "
+        f"{held_out}"
     )
     if args.warmup_steps >= args.max_steps:
         # transformers' warmup: step k (from 0) trains at lr * k / warmup_steps

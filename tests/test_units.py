@@ -1581,6 +1581,10 @@ def test_the_plan_line_and_the_warmup_note(capsys):
     lines = capsys.readouterr().out.splitlines()
     plan = "data: 9,000 prompts from the embedded task (150 iterations of 64: 1.07 epochs)"
     assert lines == [plan + "; 256 held out for evaluation"]
+    args = types.SimpleNamespace(data="", max_steps=1, warmup_steps=0)
+    common.print_plan(args, "prompts", 9000, 0, 8, "iterations")
+    plan = "data: 9,000 prompts from the embedded task (1 iteration of 8: 0.000889 epochs)"
+    assert capsys.readouterr().out.splitlines() == [plan + "; no held-out evaluation"]
 
 
 def test_a_failed_start_removes_only_the_empty_folders_it_made(tmp_path):
