@@ -829,18 +829,8 @@ SCALED_BY = {
 
 
 def check_args(args, world):
+    check_rollout_batch_sizes(args, world)
     n = args.n_samples_per_prompt
-    if (
-        args.rollout_batch_size % world
-        or args.train_batch_size % (world * args.micro_batch_size)
-        or (args.rollout_batch_size * n) % args.train_batch_size
-    ):
-        raise SystemExit(
-            f"error: batch sizes do not divide: --rollout_batch_size {args.rollout_batch_size} "
-            f"by world size {world}, it x --n_samples_per_prompt {n} by --train_batch_size "
-            f"{args.train_batch_size}, that by --micro_batch_size {args.micro_batch_size} x "
-            f"world size {world}"
-        )
     check_reward_flags(args)
     check_engine_flags(args)
     if args.advantage_estimator != "gae" and n < 2:
@@ -854,6 +844,30 @@ def check_args(args, world):
         raise SystemExit(
             f"error: --scale_rewards {args.scale_rewards} applies to --advantage_estimator grpo "
             f"only; {SCALED_BY.get(args.advantage_estimator, 'it divides by no group std')}"
+        )
+
+
+def check_rollout_batch_sizes(args, world):
+    """The rollout's prompts split evenly over the ranks, its responses into whole minibatches of
+    --train_batch_size, and each rank's share of one into whole micro-batches: the line names the
+    first of the three that fails."""
+    rollout = args.rollout_batch_size
+    responses = rollout * args.n_samples_per_prompt
+    if rollout % world:
+        raise SystemExit(
+            f"error: batch sizes do not divide: --rollout_batch_size {rollout} by world size "
+            f"{world}"
+        )
+    if responses % args.train_batch_size:
+        raise SystemExit(
+            f"error: batch sizes do not divide: --rollout_batch_size {rollout} x "
+            f"--n_samples_per_prompt {args.n_samples_per_prompt} = {responses} responses by "
+            f"--train_batch_size {args.train_batch_size}"
+        )
+    if args.train_batch_size % (world * args.micro_batch_size):
+        raise SystemExit(
+            f"error: batch sizes do not divide: --train_batch_size {args.train_batch_size} by "
+            f"--micro_batch_size {args.micro_batch_size} x world size {world}"
         )
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -441,9 +442,32 @@ def test_max_new_tokens_beyond_the_context_names_the_flag():
 
 
 def test_ppo_batch_sizes(tmp_path):
+    """One line naming the first relation that fails: prompts by ranks, responses by
+    minibatches, a minibatch by micro-batches x ranks."""
+    import train_ppo
+
     args = ("--out_dir", tmp_path, "--rollout_batch_size", 10, "--n_samples_per_prompt", 3)
     p = run_py("train_ppo.py", *args, "--train_batch_size", 4)
-    assert_one_line_error(p, "batch sizes do not divide", "--train_batch_size 4")
+    line = (
+        "--rollout_batch_size 10 x --n_samples_per_prompt 3 = 30 responses by --train_batch_size 4"
+    )
+    assert_one_line_error(p, "batch sizes do not divide", line)
+    cases = [
+        ((12, 2, 12, 2), 5, "--rollout_batch_size 12 by world size 5"),
+        ((12, 2, 16, 2), 4, "= 24 responses by --train_batch_size 16"),
+        ((12, 2, 12, 2), 4, "--train_batch_size 12 by --micro_batch_size 2 x world size 4"),
+    ]
+    for (rollout, n, train, micro), world, needle in cases:
+        args = train_ppo.Args(
+            rollout_batch_size=rollout,
+            n_samples_per_prompt=n,
+            train_batch_size=train,
+            micro_batch_size=micro,
+        )
+        with pytest.raises(SystemExit, match=re.escape(needle)):
+            train_ppo.check_args(args, world)
+    args = train_ppo.Args(rollout_batch_size=12, train_batch_size=12, micro_batch_size=2)
+    train_ppo.check_args(args, 3)
 
 
 @pytest.mark.parametrize(
