@@ -1981,15 +1981,29 @@ def load(path, roles, args, must_match, frozen=None, folders=None, identity=None
         for group, own in zip(optim.param_groups, flags):
             group.update(own)
     set_rng_state(rng)
+    if dist.get_rank() >= meta["world_size"]:
+        # The checkpoint has no stream for this rank (a run resumed on more ranks): rank r % old's
+        # again would give two ranks the same dropout masks from here on
+        seed_new_stream(meta["args"].get("seed"), dist.get_rank(), meta["step"])
     if meta["world_size"] != dist.get_world_size() and dist.get_rank() == 0:
         # exact only at the same world size
         print(
             f"WARNING: resuming a {meta['world_size']}-rank checkpoint on "
             f"{dist.get_world_size()} ranks: weights, optimizer and data position carry over, "
-            "RNG streams cannot (reused round-robin)",
+            "RNG streams cannot (a rank the checkpoint has none for starts a new one)",
             flush=True,
         )
     return meta
+
+
+def seed_new_stream(seed, rank, step):
+    """Python's, NumPy's and torch's RNGs (CUDA's too) seeded from (the run's seed, this rank, the
+    checkpoint's step) alone: a stream no other rank draws, and the same for the same resume."""
+    digest = hashlib.sha256(f"{seed}/{rank}/{step}".encode()).digest()
+    value = int.from_bytes(digest[:4], "little")  # NumPy takes seeds below 2^32
+    random.seed(value)
+    np.random.seed(value)
+    torch.manual_seed(value)  # every CUDA device's too
 
 
 def _same_frozen_weights(path, saved, now, flag, args):

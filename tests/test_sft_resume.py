@@ -92,6 +92,24 @@ def test_resume_on_one_rank_continues_from_the_right_sample(tmp_path, straight, 
         assert abs(r["train/loss"] - w["train/loss"]) < 1e-3
 
 
+def test_a_rank_the_checkpoint_has_no_stream_for_starts_its_own(
+    tmp_path, addition_jsonl, dropout_model
+):
+    """A 1-rank checkpoint resumed on 2 ranks: rank 1 took a copy of rank 0's stream, and both
+    drew the same from then on (the same dropout masks for the same shapes; Python's and NumPy's
+    states, which training does not draw from, saved equal). Now rank 1 starts a stream of its
+    own (`checkpoint.py: seed_new_stream`)."""
+    out = str(tmp_path)
+    run(
+        "train_sft.py", *sft(out, addition_jsonl, "--stop_at_step", 6, model=dropout_model), nproc=1
+    )
+    p = run("train_sft.py", *sft(out, addition_jsonl, "--resume", "latest", model=dropout_model))
+    assert "starts a new one" in p.stdout + p.stderr
+    rng = [json.load(open(os.path.join(latest(out), f"rng-rank{r}.json"))) for r in (0, 1)]
+    for kind in ("python", "numpy", "torch"):
+        assert rng[0][kind] != rng[1][kind], kind
+
+
 def test_sigkill_during_save_leaves_a_verified_latest(tmp_path, straight, addition_jsonl):
     out = str(tmp_path)
     root = os.path.join(out, "checkpoints")
