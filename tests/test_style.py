@@ -301,12 +301,19 @@ def test_stages_share_their_common_flags_without_copying_them():
         assert all(text.count(f"--{name} ") == 2 for name in shared), text  # usage + help
 
 
-def test_readme_commands_and_flag_values_parse(monkeypatch):
+def test_readme_commands_and_flag_values_parse(monkeypatch, tmp_path):
     """Every `./launch.sh <stage> ...` command the README shows parses with that stage's flags
     (a renamed flag, a choice that is gone, a value out of range would fail the reader's first
-    try), and every `--flag value` it quotes of a flag with choices (a Literal or a bool) names
-    one of them."""
+    try), a PPO command passes `train_ppo.check_args` too (flags that do not go together, batch
+    sizes that do not divide at launch.sh's 2 ranks; its `my_rewards.py` is the README's own), and
+    every `--flag value` it quotes of a flag with choices (a Literal or a bool) names one of them."""
     sys.path.insert(0, REPO)
+    readme = open(os.path.join(REPO, "README.md")).read().replace("\\\n", " ")
+    example = re.search(r"```python\n( *)(# my_rewards\.py.*?)```", readme, re.S)
+    assert example, "README: the my_rewards.py example is gone"
+    code = re.sub(f"(?m)^{example.group(1)}", "", example.group(2))  # the list item's indent
+    (tmp_path / "my_rewards.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
     import common
     import train_dpo
     import train_ppo
@@ -314,7 +321,6 @@ def test_readme_commands_and_flag_values_parse(monkeypatch):
     import train_sft
 
     stages = {"sft": train_sft, "rm": train_rm, "ppo": train_ppo, "dpo": train_dpo}
-    readme = open(os.path.join(REPO, "README.md")).read().replace("\\\n", " ")
     # up to the end of the code span or line, a comment or the shell's & | ; < >
     commands = re.findall(r"\./launch\.sh (sft|rm|ppo|dpo)( --[^`#\n&|;<>]*)", readme)
     assert len(commands) >= 10, commands
@@ -322,7 +328,9 @@ def test_readme_commands_and_flag_values_parse(monkeypatch):
         words = re.sub(r"\[[^\]]*\]", "", line).replace("...", "").split()
         try:
             monkeypatch.setattr(sys, "argv", [f"train_{stage}.py", *words])
-            common.parse_args(stages[stage].Args, stages[stage].LIMITS)
+            args = common.parse_args(stages[stage].Args, stages[stage].LIMITS)
+            if stage == "ppo":
+                train_ppo.check_args(args, 2)  # launch.sh's process count on a CPU machine
         except SystemExit as e:
             raise AssertionError(f"README: ./launch.sh {stage}{line}: {e.code}") from None
     choices = {}
