@@ -1226,11 +1226,15 @@ def load_examples(path, tok, max_len):
     """[(where, {"prompt", "response"})] of a JSONL file of SFT examples (SFT's --data and
     --eval_data, DPO's --eval_data): a {"prompt", "response"} row as it is (or TRL's {"prompt",
     "completion"}: `read_completion`), a {"messages": [...]} row (TRL's conversational SFT rows)
-    as one example per assistant turn (`turn_examples`)."""
+    as one example per assistant turn (`turn_examples`). Collective: the dialogues' lengths are
+    checked a share per rank (`check_rows`)."""
+    rows = read_rows(path, check_sft_row)
+    dialogues = [(where, row["messages"]) for where, row in rows if "messages" in row]
+    check_rows(dialogues, functools.partial(check_dialogue_length, tok, max_len=max_len))
     examples = []
-    for where, row in read_rows(path, check_sft_row):
+    for where, row in rows:
         if "messages" in row:
-            examples += turn_examples(where, row["messages"], tok, max_len)
+            examples += turn_examples(where, row["messages"])
         else:
             examples.append((where, row))
     return examples
@@ -1298,17 +1302,14 @@ def check_dialogue(where, row):
             )
 
 
-def turn_examples(where, messages, tok, max_len):
-    """A checked dialogue (`check_dialogue`) as one example per assistant turn: the turns
-    before it as the prompt (a conversation, which the chat template renders with the generation
-    prompt) and its content as the response. Each turn is learned in the context it is generated
-    in, on its own tokens only (like TRL's `assistant_only_loss`, with no {% generation %}
-    markers needed in the template); a dialogue's early turns are encoded again for each later
-    one, so its cost grows with the square of its turns. The last turn's example holds the others
-    where the template renders history as given (Qwen3's drops earlier reasoning: an earlier
-    example may be the longer, and is refused when it is encoded), and one too long for the
-    context is refused before the prefixes are made (each a list as long as the turns before it:
-    8,000 short exchanges took 0.8 GB before this check)."""
+def check_dialogue_length(tok, messages, max_len, where):
+    """A checked dialogue (`check_dialogue`) fits the context up to its last turn's end, checked
+    before `turn_examples` makes its prefixes: each is a list as long as the turns before it, so a
+    long dialogue's examples grow with the square of its turns (8,000 short exchanges took 0.8 GB
+    before this check). Its last turn's example holds the others where the template renders
+    history as given (Qwen3's drops earlier reasoning: an earlier example may be the longer, and
+    is refused when it is encoded). Tokenizes what encoding will again, so it costs as much:
+    `load_examples` runs it a share per rank."""
     last = len(messages) - 1
     prompt = messages[:last]
     check_fits(tok, prompt_content(tok, prompt, where) + messages[last]["content"], max_len, where)
@@ -1319,6 +1320,15 @@ def turn_examples(where, messages, tok, max_len):
             f"error: {where}: the dialogue is {length} tokens to its last turn's end, longer "
             f"than the model's context ({max_len})"
         )
+
+
+def turn_examples(where, messages):
+    """A checked dialogue (`check_dialogue`, `check_dialogue_length`) as one example per
+    assistant turn: the turns before it as the prompt (a conversation, which the chat template
+    renders with the generation prompt) and its content as the response. Each turn is learned in
+    the context it is generated in, on its own tokens only (like TRL's `assistant_only_loss`,
+    with no {% generation %} markers needed in the template); a dialogue's early turns are
+    encoded again for each later one, so its cost grows with the square of its turns."""
     examples = []
     for i, message in enumerate(messages):
         if is_assistant(message):
@@ -1716,8 +1726,8 @@ def encode_rows(rows, encode):
     ranks, SFT on 200k rows: the data ready after 65 s -> 35 s, peak RSS 534 -> 555 MB).
     The first row that fails, in the data's order, is the one named, as when one process encodes
     them all: each rank stops at its own first failure, and the earliest of those is the data's
-    first bad row. Watch for: `encode` must be a function of its row alone (no state carried
-    from one row to the next), since a row is encoded on one rank only."""
+    first bad row (`_raise_first_failure`). Watch for: `encode` must be a function of its row
+    alone (no state carried from one row to the next), since a row is encoded on one rank only."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return TokenRows(encode(row, where=where) for where, row in rows)
     rank = dist.get_rank()
@@ -1725,17 +1735,9 @@ def encode_rows(rows, encode):
     # gloo: the rows live in CPU memory, and an NCCL group would move them through the GPU. The
     # run's --timeout_minutes: a rank whose share is slow to encode keeps the others waiting
     group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT.get("timeout"))
-    share = range(len(rows) * rank // world, len(rows) * (rank + 1) // world)
-    mine, failure, error = _encode_share(rows, share, encode)
-    failures = [None] * world
-    dist.all_gather_object(failures, failure, group=group)  # all stop, or none
-    named = [found for found in failures if found is not None]
-    if named:
-        dist.destroy_process_group(group)
-        first = min(named)
-        if first == failure:  # this rank's share holds the data's first bad row
-            raise error
-        raise SystemExit(first[1])
+    mine = TokenRows()
+    failure, error = _run_share(rows, encode, mine.append, "encoding")
+    _raise_first_failure(failure, error, group)
     encoded = TokenRows()
     for source in range(world):
         encoded.join(_broadcast_share(mine, source, group))
@@ -1745,25 +1747,63 @@ def encode_rows(rows, encode):
     return encoded
 
 
-def _encode_share(rows, share, encode):
-    """(TokenRows of this rank's `share`, a range of indices into `rows`; (index, error line) of
-    its first bad row or None; what that row raised) for `encode_rows`."""
-    mine = TokenRows()
-    for i in share:
+def check_rows(rows, check):
+    """Collective: check(row, where=where) for each (where, row) of `rows`, each rank a
+    contiguous share, as `encode_rows` encodes them; the data's first row that fails is named on
+    every rank. For a check that costs what encoding does (a dialogue's length in tokens:
+    `check_dialogue_length`), which every rank would otherwise run on every row."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        for where, row in rows:
+            check(row, where=where)
+        return
+    # gloo and the run's timeout, as encode_rows' group (a share of slow checks keeps the others)
+    group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT.get("timeout"))
+    failure, error = _run_share(rows, check, _discard, "checking")
+    _raise_first_failure(failure, error, group)
+    dist.destroy_process_group(group)
+
+
+def _discard(value):
+    """check_rows keeps nothing of a check's result."""
+
+
+def _run_share(rows, call, keep, verb):
+    """keep(call(row, where=where)) for each (where, row) of this rank's contiguous share of
+    `rows`, up to the first that fails: ((its index, its error line), what it raised), or (None,
+    None) when none does. For `encode_rows` and `check_rows` (`verb`: what a bug's line says the
+    rank was doing)."""
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    for i in range(len(rows) * rank // world, len(rows) * (rank + 1) // world):
         where, row = rows[i]
         try:
-            mine.append(encode(row, where=where))
+            keep(call(row, where=where))
         except SystemExit as e:
             if isinstance(e.code, str):  # an error line, not an exit status
-                return mine, (i, e.code), e
-            line = f"error: {where}: rank {dist.get_rank()} exited encoding it (status {e.code!r})"
-            return mine, (i, line), e
+                return (i, e.code), e
+            return (i, f"error: {where}: rank {rank} exited {verb} it (status {e.code!r})"), e
         # A bug (no error line): its traceback is this rank's to print; the others, which
         # would wait for it until --timeout_minutes, stop with a line that points to it
         except Exception as e:
-            line = f"error: {where}: rank {dist.get_rank()} failed to encode it: {e!r:.200}"
-            return mine, (i, line), e
-    return mine, None, None
+            return (i, f"error: {where}: rank {rank} failed {verb} it: {e!r:.200}"), e
+    return None, None
+
+
+def _raise_first_failure(failure, error, group):
+    """Collective over `group`: each rank's first failure of its share, (index, error line) or
+    None (`_run_share`), gathered; where any rank failed, the data's first failure is raised on
+    every rank (the rank whose share holds it raises what its row raised: a bug's traceback is
+    its own), and `group` is destroyed. All stop, or none."""
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure, group=group)  # all stop, or none
+    named = [found for found in failures if found is not None]
+    if not named:
+        return
+    dist.destroy_process_group(group)
+    first = min(named)
+    if first == failure:  # this rank's share holds the data's first bad row
+        raise error
+    raise SystemExit(first[1])
 
 
 def _broadcast_share(mine, source, group):

@@ -2,16 +2,22 @@
 encodes a share of the rows, gives every rank what one process encoding them all would (the same
 ids, lists and other fields, in the same order), for sets smaller than the world too, and names
 the data's first bad row whichever rank's share holds it, on every rank; a bug (an exception,
-no error line) raises on its rank and stops the other with a line naming it.
+no error line) raises on its rank and stops the other with a line naming it. `common.check_rows`
+likewise: `load_examples` checks the dialogues' lengths a share per rank, and names the first too
+long for the context whichever rank's share holds it.
 
 Argument: a tokenizer's folder (the tiny model's, `task.make_tokenizer`)."""
 
 import functools
+import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch.distributed as dist  # noqa: E402
+from test_units import assistant  # noqa: E402
+from test_units import gemma_style_tokenizer  # noqa: E402
+from test_units import user  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 import common  # noqa: E402
@@ -60,6 +66,33 @@ def raised(rows, encode):
     raise AssertionError("encode_rows raised nothing")
 
 
+def written(folder, name, rows):
+    """rows as a JSONL file in folder, written by rank 0 before any rank reads it."""
+    path = os.path.join(folder, name)
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    dist.barrier()  # the file is whole before any rank reads it
+    return path
+
+
+def check_dialogues(folder):
+    """load_examples on 2 ranks: the 9 dialogues' lengths checked 4 on rank 0, 5 on rank 1
+    (`common.check_rows`); the first too long in the file's order named on both."""
+    tok = gemma_style_tokenizer()
+    dialogue = {"messages": [user("1+1="), assistant("2"), user("1+2="), assistant("3")]}
+    rows = [{"prompt": "2+2=", "response": "4"}] + [dialogue] * 9  # lines 2-10: the dialogues
+    examples = common.load_examples(written(folder, "good.jsonl", rows), tok, 64)
+    assert len(examples) == 19, examples
+    too_long = {"messages": [user("1+1=" * 20), assistant("2")]}  # 80 tokens and more
+    load = functools.partial(common.load_examples, max_len=64)
+    for bad in ((7, 9), (3, 6), (5, 6), (2, 10)):  # on rank 1, on each side, on rank 0
+        data = [too_long if line in bad else row for line, row in enumerate(rows, 1)]
+        path = written(folder, f"bad-{bad[0]}-{bad[1]}.jsonl", data)
+        line = error_line(load, path, tok)
+        assert line is not None and line.startswith(f"error: {path}:{bad[0]}: the dialogue is")
+
+
 def main(folder):
     common.init_distributed(seed=0)
     tok = AutoTokenizer.from_pretrained(folder)
@@ -92,11 +125,12 @@ def main(folder):
     if dist.get_rank() == 1:
         assert isinstance(e, ValueError) and str(e) == "a bug", e
     else:
-        line = "error: embedded task:61: rank 1 failed to encode it: ValueError('a bug')"
+        line = "error: embedded task:61: rank 1 failed encoding it: ValueError('a bug')"
         assert isinstance(e, SystemExit) and e.code == line, e
     # a bad row before it, on rank 0, is the data's first
     e = raised(rows[:40] + bad[40:41] + rows[41:], functools.partial(broken, encode))
     assert isinstance(e, SystemExit) and e.code.startswith("error: embedded task:41: "), e
+    check_dialogues(folder)
     dist.barrier()
     if dist.get_rank() == 0:
         print("encode_rows: ok")

@@ -153,7 +153,8 @@ def test_ranks_encode_shares_of_the_rows_and_all_get_every_row(tmp_path):
     """common.encode_rows on 2 ranks (tests/encode_check.py): each rank encodes half the rows,
     and every rank ends with the ids, lists and other fields one process makes (SFT's examples,
     the reward model's Pair, PPO's prompt rows), for fewer rows than ranks too; a bad row in
-    either half, or one on each side of the split, is named as one process names it."""
+    either half, or one on each side of the split, is named as one process names it; a dialogue
+    too long for the context likewise (`common.check_rows`)."""
     task.make_tokenizer(str(tmp_path))
     p = run("tests/encode_check.py", tmp_path)
     assert "encode_rows: ok" in p.stdout
