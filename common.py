@@ -1395,14 +1395,50 @@ def render_prompt(tok, prompt, where, tokenize):
         )
     messages = chat_messages(prompt)
     try:
+        if not tokenize:
+            return render_chat(tok, messages, True, where)
         with render_time_limit(where):
             return tok.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=tokenize, **CHAT_TEMPLATE_KWARGS
+                messages, add_generation_prompt=True, tokenize=True, **CHAT_TEMPLATE_KWARGS
             )
     except Exception as e:  # jinja's TemplateError, or what a filter raised: the template's
         raise SystemExit(
             f"error: {where}: the chat template fails on this prompt ({checkpoint.describe(e)})"
         )
+
+
+# render_chat's latest renders, oldest first: (tokenizer, `template_key`, the messages as JSON,
+# add_generation_prompt) -> text
+RENDERED = {}
+RENDERED_KEPT = 16
+
+
+def render_chat(tok, messages, add_generation_prompt, where):
+    """The chat template's text of `messages` (with the --chat_template_kwargs variables), the
+    latest few remembered: encoding one row renders the same three conversations (the prompt with
+    the generation prompt, the prompt with its response, the prompt alone) nine times over
+    (`prompt_content`, `check_response_start`, `response_text`, `encode_response`), a third of
+    SFT's encoding time on dialogue rows. A render is time-limited (`render_time_limit`, naming
+    `where`); what it raises is the caller's to catch, and not remembered. Messages that are not
+    JSON (a caller's own objects; a row read from a file always is) are rendered every time."""
+    try:
+        key = (tok, template_key(tok), json.dumps(messages), add_generation_prompt)
+    except (TypeError, ValueError):
+        key = None
+    if key in RENDERED:
+        return RENDERED[key]
+    with render_time_limit(where):
+        text = tok.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **CHAT_TEMPLATE_KWARGS,
+        )
+    if key is not None:
+        RENDERED[key] = text
+        if len(RENDERED) > RENDERED_KEPT:
+            del RENDERED[next(iter(RENDERED))]  # the oldest (a dict keeps its insertion order)
+    return text
 
 
 def encode_prompt(tok, prompt, where):
@@ -1487,8 +1523,7 @@ def _rendered_turn(tok, prompt, response):
     turn, or one that does not start with the generation prompt and end with `turn_end`."""
     messages = chat_messages(prompt) + [{"role": "assistant", "content": response}]
     try:
-        with render_time_limit("a response"):
-            whole = tok.apply_chat_template(messages, tokenize=False, **CHAT_TEMPLATE_KWARGS)
+        whole = render_chat(tok, messages, False, "a response")
     except Exception:  # jinja's TemplateError: a template that renders no assistant turn
         return None  # (response_end_id falls back to EOS for it too)
     asked = prompt_text(tok, prompt)  # with the generation prompt
@@ -1573,13 +1608,9 @@ def check_response_start(tok, prompt, response, where):
         return
     messages = chat_messages(prompt)
     try:
-        with render_time_limit(where):
-            history = tok.apply_chat_template(messages, tokenize=False, **CHAT_TEMPLATE_KWARGS)
-            whole = tok.apply_chat_template(
-                messages + [{"role": "assistant", "content": response}],
-                tokenize=False,
-                **CHAT_TEMPLATE_KWARGS,
-            )
+        history = render_chat(tok, messages, False, where)
+        answered = messages + [{"role": "assistant", "content": response}]
+        whole = render_chat(tok, answered, False, where)
     except Exception:  # a template that renders no assistant turn: nothing to compare
         return
     asked = prompt_text(tok, prompt)
@@ -2810,6 +2841,8 @@ def template_key(tok):
     template = tok.chat_template
     if isinstance(template, dict):
         template = tuple(sorted(template.items()))
+    if not CHAT_TEMPLATE_KWARGS:  # (asked several times a row: most runs give none)
+        return template, "{}"
     return template, json.dumps(CHAT_TEMPLATE_KWARGS, sort_keys=True)
 
 

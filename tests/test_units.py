@@ -1713,6 +1713,47 @@ def test_chat_template_kwargs_reach_every_rendering(monkeypatch, capsys):
     assert capsys.readouterr().out.startswith(note)
 
 
+def test_renders_are_remembered_by_all_that_changes_them(monkeypatch):
+    """common.render_chat remembers the latest renders (encoding one row asks for the same three
+    conversations nine times) by the tokenizer, its template, --chat_template_kwargs, the messages
+    and the generation prompt: a change of any renders anew, as the template renders it then; a
+    render that fails is not remembered; at most RENDERED_KEPT are kept."""
+    tok = templated_tokenizer(QWEN3_LIKE)
+    renders = []
+    render = tok.apply_chat_template
+
+    def counted(*args, **kwargs):
+        renders.append(args)
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(tok, "apply_chat_template", counted)
+    monkeypatch.setattr(common, "RENDERED", {})
+    turn = [user("1+1=")]
+    asked = common.render_chat(tok, turn, True, "r:1")
+    assert asked == render(turn, add_generation_prompt=True, tokenize=False)
+    assert common.render_chat(tok, [user("1+1=")], True, "r:1") == asked  # equal messages
+    assert len(renders) == 1
+    assert common.render_chat(tok, turn, False, "r:1") == render(turn, tokenize=False)
+    assert common.render_chat(tok, [user("1+2=")], True, "r:1") == asked.replace("1=", "2=")
+    assert len(renders) == 3
+    monkeypatch.setitem(common.CHAT_TEMPLATE_KWARGS, "enable_thinking", False)
+    assert common.render_chat(tok, turn, True, "r:1") == asked + "<think>\n\n</think>\n\n"
+    monkeypatch.setattr(tok, "chat_template", MISTRAL_LIKE)
+    assert common.render_chat(tok, turn, True, "r:1") == "<bos>[INST] 1+1= [/INST]"
+    other = templated_tokenizer(QWEN3_LIKE)
+    other.bos_token = "<pad>"  # the same template, another tokenizer
+    monkeypatch.setattr(other, "chat_template", MISTRAL_LIKE)
+    assert common.render_chat(other, turn, True, "r:1") == "<pad>[INST] 1+1= [/INST]"
+    monkeypatch.setattr(tok, "chat_template", "{{ raise_exception('no') }}")
+    for _ in range(2):
+        with pytest.raises(Exception, match="no"):
+            common.render_chat(tok, turn, True, "r:1")
+    assert len(renders) == 7  # the failure rendered each time
+    for n in range(2 * common.RENDERED_KEPT):
+        common.render_chat(other, [user(f"{n}+1=")], True, "r:1")
+    assert len(common.RENDERED) == common.RENDERED_KEPT
+
+
 def test_dpo_says_it_leaves_a_pairs_margin_unread(capsys):
     """train_rm.py reads a pair's "margin" (TRL's reward data may carry one); DPO's loss has no
     margin of a pair's own, and took such a file without a word."""
