@@ -936,6 +936,7 @@ def read_meta(path, step=None):
         "engine": meta.get("engine", "hf") in ("hf", "vllm"),  # PPO's rollout engine
         "stage": type(meta.get("stage", "")) is str,  # the script that saved it
         "data": meta.get("data") is None or type(meta.get("data")) is str,  # --data's sha256
+        "export_dtype": meta.get("export_dtype", "float32") in EXPORT_DTYPES,
     }
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
@@ -2175,7 +2176,7 @@ def _model_of_role(hf, role):
     return AutoModelForCausalLM.from_config(config, trust_remote_code=False)
 
 
-def export(path, out, role=None):
+def export(path, out, role=None, dtype=None):
     """A checkpoint's `role` model -> an HF folder (safetensors, config, tokenizer, generation
     config) that transformers and vLLM load: for deployment, or the next stage. One process, DCP's
     no_dist mode. The critic exports as a token-classification (value) model with one label, the
@@ -2184,15 +2185,14 @@ def export(path, out, role=None):
     then renamed into place (`_install`), so a kill or a full disk never leaves a half export
     where the next stage would load it. A store's is uploaded with its config.json last
     (`objstore.upload_export`): a half upload is a prefix nothing loads."""
+    if dtype is not None and dtype not in EXPORT_DTYPES:  # before verify reads the whole of it
+        raise CheckpointError(f"--dtype {dtype}: expected one of {', '.join(EXPORT_DTYPES)}")
     manifest = verify(path)
-    roles = read_meta(path)["roles"]
-    role = role or roles[0]
-    if role not in roles:
-        raise CheckpointError(f"--role {role}: checkpoint has roles {roles}")
+    role, dtype = _export_settings(path, role, dtype)
     if objstore.is_url(out):
         _check_export_prefix(out, path)
         with tempfile.TemporaryDirectory() as local:
-            _export_from(path, manifest, role, os.path.join(local, "out"), local)
+            _export_from(path, manifest, role, os.path.join(local, "out"), local, dtype)
             # config.json last, after the earlier export's stale weights are gone: a kill leaves
             # the earlier export whole, or a prefix without config.json, which nothing loads
             upload = os.path.join(local, "out")
@@ -2206,7 +2206,7 @@ def export(path, out, role=None):
     staging = os.path.join(parent, f".{name}.tmp-{owner}-{uuid.uuid4().hex[:8]}")
     try:
         with tempfile.TemporaryDirectory() as local:
-            _export_from(path, manifest, role, staging, local)
+            _export_from(path, manifest, role, staging, local, dtype)
         _readable_as_umask_allows(staging)
         # save_pretrained does not fsync: an export that returned is on disk (the next stage, or
         # a deployment, may start from it right after a power loss)
@@ -2391,7 +2391,19 @@ def _install(staging, out):
         shutil.rmtree(aside, ignore_errors=True)
 
 
-def _export_from(path, manifest, role, dest, local):
+def _export_settings(path, role, dtype):
+    """export()'s (role, dtype) for the checkpoint `path`: those asked for, else its first role
+    and the dtype its run's --export_dtype resolved to (`common.export_dtype`; fp32 for a
+    checkpoint from before it was recorded)."""
+    meta = read_meta(path)
+    roles = meta["roles"]
+    role = role or roles[0]
+    if role not in roles:
+        raise CheckpointError(f"--role {role}: checkpoint has roles {roles}")
+    return role, dtype or meta.get("export_dtype", "float32")
+
+
+def _export_from(path, manifest, role, dest, local, dtype):
     """_export of the checkpoint `path` into the local folder `dest`; from a store, its hf/ comes
     down into the local scratch folder `local` first (no further than the manifest's sizes)."""
     hf = os.path.join(path, "hf")
@@ -2399,10 +2411,10 @@ def _export_from(path, manifest, role, dest, local):
         hf_files = {k[3:]: v["size"] for k, v in manifest["files"].items() if k[:3] == "hf/"}
         hf = os.path.join(local, "hf")
         _store_call(objstore.download, os.path.join(path, "hf"), hf_files, hf)
-    _export(path, hf, dest, role)
+    _export(path, hf, dest, role, dtype)
 
 
-def _export(path, hf, out, role):
+def _export(path, hf, out, role, dtype):
     """export() once the checkpoint's hf/ folder is local (`hf`), to the local folder `out`."""
     from transformers import AutoTokenizer
     from transformers import GenerationConfig
@@ -2428,6 +2440,7 @@ def _export(path, hf, out, role):
     state = {role: {"model": model.state_dict()}}
     # fills the model's tensors in place
     dcp_load(state, os.path.join(path, "dcp"), no_dist=True, sizes=_dcp_sizes(path))
+    _cast_for_export(model, dtype)
     if generation_config is not None:
         model.generation_config = generation_config
     # save_pretrained only logs an error and returns when `out` is a file: raise here instead
@@ -2437,6 +2450,27 @@ def _export(path, hf, out, role):
     except SafetensorError as e:  # a full disk, seen on a GPU machine: an OSError, said in a line
         raise OSError(str(e).splitlines()[0]) from None
     tok.save_pretrained(out)
+
+
+# The dtypes an export saves weights in (a stage's --export_dtype, `checkpoint.py export --dtype`)
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _cast_for_export(model, dtype):
+    """The model's floating-point weights in `dtype` (a name in EXPORT_DTYPES), which
+    save_pretrained writes and records in config.json (transformers and vLLM then load the
+    weights as stored). The checkpoint keeps the fp32 master weights: an export in bf16 rounds
+    them, as every bf16 release is rounded. float16 holds at most 65504: a weight beyond it would
+    be saved as inf, so it is refused in one line."""
+    if dtype == "float16":
+        limit = torch.finfo(torch.float16).max
+        for name, tensor in model.state_dict().items():
+            if tensor.is_floating_point() and tensor.numel() and tensor.abs().max() > limit:
+                raise CheckpointError(
+                    f"--dtype float16: weight {name} holds values beyond float16's range "
+                    f"(+-{limit:.0f}); export as bfloat16 or float32"
+                )
+    model.to(getattr(torch, dtype))
 
 
 def unsaveable_generation_config(generation_config):
@@ -2451,7 +2485,10 @@ def unsaveable_generation_config(generation_config):
     return None
 
 
-USAGE = "usage: python checkpoint.py verify CKPT [CKPT...] | export CKPT OUT [--role NAME]"
+USAGE = (
+    "usage: python checkpoint.py verify CKPT [CKPT...] | export CKPT OUT [--role NAME] "
+    "[--dtype float32|bfloat16|float16]"
+)
 
 
 def _verify_each(ckpts):
@@ -2489,14 +2526,24 @@ def cli(argv):
     match argv:
         case ["verify", *ckpts] if ckpts:
             _verify_each(ckpts)
-        case ["export", ckpt, out]:
-            export(ckpt, out)
-            print(f"exported {ckpt} -> {out}")
-        case ["export", ckpt, out, "--role", role]:
-            export(ckpt, out, role)
+        case ["export", ckpt, out, *options]:
+            export(ckpt, out, **_export_options(options))
             print(f"exported {ckpt} -> {out}")
         case _:
             sys.exit(USAGE)
+
+
+def _export_options(options):
+    """`export`'s --role NAME and --dtype NAME, in either order, as export()'s keywords; the
+    usage line for anything else. Without --dtype: the one the run recorded (--export_dtype)."""
+    names = {"--role": "role", "--dtype": "dtype"}
+    keywords = {}
+    pairs = list(zip(options[::2], options[1::2]))
+    if len(options) % 2 or any(flag not in names for flag, _ in pairs):
+        sys.exit(USAGE)
+    for flag, value in pairs:
+        keywords[names[flag]] = value
+    return keywords
 
 
 if __name__ == "__main__":

@@ -128,6 +128,11 @@ class RunArgs:
     stop_at_step: int = 0
     """save and exit after this step (PPO: iteration), as a preempted run would (for testing
     resume); 0: never"""
+    export_dtype: typing.Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """the dtype of the final hf/ export's weights (training keeps fp32 master weights either
+    way): auto keeps the one --model's weights were stored in, by its config.json (bf16 for most
+    released models, as transformers and TRL save a model loaded as stored; float32 where it says
+    none or another), so a 7B model's export is 14 GB, not 28"""
     chat_template_kwargs: str = ""
     """a JSON object of extra variables for the chat template, as TRL's and vLLM's
     chat_template_kwargs: '{"enable_thinking": false}' renders Qwen3's prompts in its
@@ -2967,6 +2972,28 @@ def run_identity(args):
     return {"stage": stage, "data": data}
 
 
+def export_dtype(args):
+    """The dtype the run's export saves weights in: --export_dtype, or with auto the one --model's
+    weights were stored in (`stored_dtype`)."""
+    if args.export_dtype != "auto":
+        return args.export_dtype
+    return stored_dtype(args.model)
+
+
+@functools.cache  # per folder: asked at every save, of a folder a resume checks is unchanged
+def stored_dtype(path):
+    """The dtype config.json says a model folder's weights are stored in, as a name
+    `checkpoint.EXPORT_DTYPES` holds: "float32" where it names none or another (float64)."""
+    try:
+        dtype = AutoConfig.from_pretrained(path, trust_remote_code=False).dtype
+    except Exception as e:  # the stage loaded it at the start: only a folder changed since
+        raise SystemExit(load_error(path, e, "--model"))
+    name = str(dtype).removeprefix("torch.")
+    if name in checkpoint.EXPORT_DTYPES:
+        return name
+    return "float32"
+
+
 def eval_due(args, step):
     """Whether `step` evaluates on the held-out data: every --eval_every steps (0: never), and
     the last step always."""
@@ -2990,6 +3017,7 @@ def end_of_step(args, step, device, roles, meta, hf_objs, before_save=None):
         if before_save is not None:
             before_save()  # may be collective: every rank saves here, or none
         meta = {**meta, "args": vars(args), **run_identity(args)}
+        meta["export_dtype"] = export_dtype(args)  # what `checkpoint.export` saves it in
         # The last save blocks even with --async_save: the process exits right after it.
         background = args.async_save and not last
         # --on_save_error warn trains on past a failed save, but a failed last save must stop with

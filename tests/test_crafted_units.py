@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -1136,3 +1137,28 @@ def test_a_flag_newer_than_the_checkpoint_counts_at_its_stages_default():
     saved = {k: v for k, v in vars(args).items() if k != "reward_norm"}
     with pytest.raises(checkpoint.CheckpointError, match="--reward_norm False -> True"):
         checkpoint._same_settings("ckpt", saved, vars(args), ["reward_norm"], before)
+
+
+def test_an_export_in_float16_refuses_a_weight_beyond_its_range(tmp_path):
+    """`checkpoint._cast_for_export` casts the weights for save_pretrained; a weight beyond
+    float16's 65504 would be saved as inf: one line naming it, nothing cast. `common.export_dtype`
+    resolves --export_dtype auto from the folder's config.json: bf16 as stored, fp32 where it
+    names none or one no export is made in (float64)."""
+    import common
+
+    model = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        model.weight[0, 0] = 70000.0
+    with pytest.raises(checkpoint.CheckpointError, match="weight weight holds values beyond"):
+        checkpoint._cast_for_export(model, "float16")
+    assert model.weight.dtype == torch.float32
+    checkpoint._cast_for_export(model, "bfloat16")
+    assert model.weight.dtype == torch.bfloat16 and model.weight[0, 0] == 70144.0  # rounded
+    for stored, expected in (("bfloat16", "bfloat16"), (None, "float32"), ("float64", "float32")):
+        folder = tmp_path / str(stored)
+        folder.mkdir()
+        config = {"model_type": "llama", "dtype": stored}
+        (folder / "config.json").write_text(json.dumps(config))
+        args = SimpleNamespace(export_dtype="auto", model=str(folder))
+        assert common.export_dtype(args) == expected
+        assert common.export_dtype(SimpleNamespace(export_dtype="float16")) == "float16"

@@ -680,3 +680,38 @@ def test_weight_sync_sentinel_tied_head(tmp_path):
     p = run("tests/rollout_check.py", base, nproc=2)
     assert "ROLLOUT CHECK OK rank 0" in p.stdout, p.stdout[-2000:]
     assert "ROLLOUT CHECK OK rank 1" in p.stdout, p.stdout[-2000:]
+
+
+def test_a_bf16_model_exports_in_bf16(tmp_path):
+    """A model folder stored in bf16 (config.json's dtype, as most releases) trains in fp32 master
+    weights and exports in bf16 (--export_dtype auto, recorded in the checkpoint): each weight the
+    fp32 one rounded to nearest, as `checkpoint.py export --dtype float32` gives it; `--dtype
+    float16` exports fp16; a dtype it has no such name for is one line, before any work."""
+    from transformers import AutoModelForCausalLM
+    from transformers import AutoTokenizer
+
+    base = str(tmp_path / "bf16")
+    task.ensure_tiny_model()
+    model = AutoModelForCausalLM.from_pretrained(task.TINY_MODEL, dtype=torch.bfloat16)
+    model.save_pretrained(base)
+    AutoTokenizer.from_pretrained(task.TINY_MODEL).save_pretrained(base)
+    out = str(tmp_path / "sft")
+    args = ("--model", base, "--out_dir", out, "--max_steps", 2, "--eval_every", 0)
+    args += ("--eval_samples", 8, "--train_batch_size", 16, "--micro_batch_size", 8)
+    run("train_sft.py", *args)
+    config = json.load(open(os.path.join(out, "hf", "config.json")))
+    assert config["dtype"] == "bfloat16"
+    exported = load_file(os.path.join(out, "hf", "model.safetensors"))
+    for dtype in ("float32", "float16"):
+        p = run_py("checkpoint.py", "export", latest(out), tmp_path / dtype, "--dtype", dtype)
+        assert p.returncode == 0, p.stderr[-2000:]
+        config = json.load(open(tmp_path / dtype / "config.json"))
+        assert config["dtype"] == dtype
+    full = load_file(tmp_path / "float32" / "model.safetensors")
+    half = load_file(tmp_path / "float16" / "model.safetensors")
+    assert full.keys() == exported.keys() == half.keys()
+    assert all(full[k].dtype == torch.float32 for k in full)
+    assert all(torch.equal(exported[k], full[k].to(torch.bfloat16)) for k in full)
+    assert all(torch.equal(half[k], full[k].to(torch.float16)) for k in full)
+    p = run_py("checkpoint.py", "export", latest(out), tmp_path / "x", "--dtype", "float64")
+    assert_one_line_error(p, "--dtype float64: expected one of float32, bfloat16, float16")

@@ -214,7 +214,7 @@ def test_an_export_is_written_whole_or_not_at_all(done, tmp_path, monkeypatch):
     checkpoint.verify(latest(done))
 
 
-def failing_export(path, manifest, role, dest, local):
+def failing_export(path, manifest, role, dest, local, dtype):
     raise OSError(28, "No space left on device")
 
 

@@ -305,8 +305,9 @@ def test_readme_commands_and_flag_values_parse(monkeypatch, tmp_path):
     """Every `./launch.sh <stage> ...` command the README shows parses with that stage's flags
     (a renamed flag, a choice that is gone, a value out of range would fail the reader's first
     try), a PPO command passes `train_ppo.check_args` too (flags that do not go together, batch
-    sizes that do not divide at launch.sh's 2 ranks; its `my_rewards.py` is the README's own), and
-    every `--flag value` it quotes of a flag with choices (a Literal or a bool) names one of them."""
+    sizes that do not divide at launch.sh's 2 ranks; its `my_rewards.py` is the README's own),
+    and every `--flag value` it quotes of a flag with choices (a Literal or a bool) names one of
+    them."""
     sys.path.insert(0, REPO)
     readme = open(os.path.join(REPO, "README.md")).read().replace("\\\n", " ")
     example = re.search(r"```python\n( *)(# my_rewards\.py.*?)```", readme, re.S)
