@@ -2207,6 +2207,7 @@ def _load_model_and_tokenizer(path, cls, attn_implementation, new_head, flag, kw
         raise SystemExit(load_error(path, e, flag))
     check_chat_template(tok, path, flag)
     check_config_values(config.to_dict(), path, flag)
+    STORED_DTYPES[path] = stored_dtype(config)  # before loading in fp32 makes it say float32
     attention = attention_implementation(path, attn_implementation, flag)
     if attention is not None:
         kwargs["attn_implementation"] = attention
@@ -2974,21 +2975,22 @@ def run_identity(args):
 
 def export_dtype(args):
     """The dtype the run's export saves weights in: --export_dtype, or with auto the one --model's
-    weights were stored in (`stored_dtype`)."""
+    weights were stored in, as its config.json said when it loaded (`STORED_DTYPES`)."""
     if args.export_dtype != "auto":
         return args.export_dtype
-    return stored_dtype(args.model)
+    return STORED_DTYPES[args.model]
 
 
-@functools.cache  # per folder: asked at every save, of a folder a resume checks is unchanged
-def stored_dtype(path):
-    """The dtype config.json says a model folder's weights are stored in, as a name
+# The dtype each model folder this process loaded stores its weights in (`stored_dtype`), by path
+# as given (`_load_model_and_tokenizer`): read at the start, as DATA_DIGESTS, so that a save never
+# depends on the folder being there still
+STORED_DTYPES = {}
+
+
+def stored_dtype(config):
+    """The dtype a model folder's config.json says its weights are stored in, as a name
     `checkpoint.EXPORT_DTYPES` holds: "float32" where it names none or another (float64)."""
-    try:
-        dtype = AutoConfig.from_pretrained(path, trust_remote_code=False).dtype
-    except Exception as e:  # the stage loaded it at the start: only a folder changed since
-        raise SystemExit(load_error(path, e, "--model"))
-    name = str(dtype).removeprefix("torch.")
+    name = str(config.dtype).removeprefix("torch.")
     if name in checkpoint.EXPORT_DTYPES:
         return name
     return "float32"

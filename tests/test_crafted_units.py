@@ -1139,11 +1139,13 @@ def test_a_flag_newer_than_the_checkpoint_counts_at_its_stages_default():
         checkpoint._same_settings("ckpt", saved, vars(args), ["reward_norm"], before)
 
 
-def test_an_export_in_float16_refuses_a_weight_beyond_its_range(tmp_path):
+def test_an_export_in_float16_refuses_a_weight_beyond_its_range(tmp_path, monkeypatch):
     """`checkpoint._cast_for_export` casts the weights for save_pretrained; a weight beyond
     float16's 65504 would be saved as inf: one line naming it, nothing cast. `common.export_dtype`
-    resolves --export_dtype auto from the folder's config.json: bf16 as stored, fp32 where it
-    names none or one no export is made in (float64)."""
+    resolves --export_dtype auto from the folder's config.json as it loaded: bf16 as stored,
+    fp32 where it names none or one no export is made in (float64)."""
+    from transformers import AutoConfig
+
     import common
 
     model = torch.nn.Linear(2, 2)
@@ -1157,8 +1159,8 @@ def test_an_export_in_float16_refuses_a_weight_beyond_its_range(tmp_path):
     for stored, expected in (("bfloat16", "bfloat16"), (None, "float32"), ("float64", "float32")):
         folder = tmp_path / str(stored)
         folder.mkdir()
-        config = {"model_type": "llama", "dtype": stored}
-        (folder / "config.json").write_text(json.dumps(config))
-        args = SimpleNamespace(export_dtype="auto", model=str(folder))
-        assert common.export_dtype(args) == expected
-        assert common.export_dtype(SimpleNamespace(export_dtype="float16")) == "float16"
+        (folder / "config.json").write_text(json.dumps({"model_type": "llama", "dtype": stored}))
+        assert common.stored_dtype(AutoConfig.from_pretrained(folder)) == expected
+    monkeypatch.setitem(common.STORED_DTYPES, "m", "bfloat16")  # as --model m loaded
+    assert common.export_dtype(SimpleNamespace(export_dtype="auto", model="m")) == "bfloat16"
+    assert common.export_dtype(SimpleNamespace(export_dtype="float16", model="m")) == "float16"
