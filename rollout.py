@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -282,11 +283,23 @@ def _start_llm(kwargs, flag):
 def _engine_failed(flag, what, model_path, e):
     """The line for a vLLM failure on a model: what failed, vLLM's own first line, the way
     around it."""
-    detail = (str(e).splitlines() or [""])[0]
+    detail = _sorted_sets((str(e).splitlines() or [""])[0])
     return (
         f"error: {flag}: vLLM could not {what} {model_path} ({type(e).__name__}: {detail}); "
         "where vLLM cannot run the model, --rollout_engine hf generates with transformers"
     )
+
+
+def _sorted_sets(text):
+    """text with each set of quoted names in it (`{'b', 'a'}`) in sorted order: vLLM's "no module
+    or parameter named" lists a module's parameters as a Python set, whose order is each
+    process's own (string hashes are seeded per process), so the ranks' lines differed and
+    `common.first_to_say` printed each of them."""
+
+    def ordered(match):
+        return "{" + ", ".join(sorted(match.group(1).split(", "))) + "}"
+
+    return re.sub(r"\{('[^'{}]*'(?:, '[^'{}]*')*)\}", ordered, text)
 
 
 def _model_has_lm_head(worker):
