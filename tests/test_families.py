@@ -50,7 +50,8 @@ def save_tokenizer(hf_tok, path):
     GPT2Tokenizer) rebuild a byte-level BPE around the vocabulary instead of loading ours."""
     hf_tok.save_pretrained(path)
     config_path = os.path.join(path, "tokenizer_config.json")
-    config = json.load(open(config_path))
+    with open(config_path) as f:
+        config = json.load(f)
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2)
