@@ -1412,8 +1412,8 @@ def render_prompt(tok, prompt, where, tokenize):
         )
 
 
-# render_chat's latest renders, oldest first: (tokenizer, `template_key`, the messages as JSON,
-# add_generation_prompt) -> text
+# render_chat's latest renders, oldest first: (tokenizer, `template_key`, its special tokens, the
+# messages as JSON, add_generation_prompt) -> text
 RENDERED = {}
 RENDERED_KEPT = 16
 
@@ -1427,7 +1427,10 @@ def render_chat(tok, messages, add_generation_prompt, where):
     `where`); what it raises is the caller's to catch, and not remembered. Messages that are not
     JSON (a caller's own objects; a row read from a file always is) are rendered every time."""
     try:
-        key = (tok, template_key(tok), json.dumps(messages), add_generation_prompt)
+        # the special tokens too: apply_chat_template gives the template their texts (a
+        # `{{ bos_token }}`), and a run sets a missing PAD after loading
+        specials = json.dumps(tok.special_tokens_map, sort_keys=True, default=str)
+        key = (tok, template_key(tok), specials, json.dumps(messages), add_generation_prompt)
     except (TypeError, ValueError):
         key = None
     if key in RENDERED:

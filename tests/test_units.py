@@ -1715,9 +1715,10 @@ def test_chat_template_kwargs_reach_every_rendering(monkeypatch, capsys):
 
 def test_renders_are_remembered_by_all_that_changes_them(monkeypatch):
     """common.render_chat remembers the latest renders (encoding one row asks for the same three
-    conversations nine times) by the tokenizer, its template, --chat_template_kwargs, the messages
-    and the generation prompt: a change of any renders anew, as the template renders it then; a
-    render that fails is not remembered; at most RENDERED_KEPT are kept."""
+    conversations nine times) by the tokenizer, its template and special tokens,
+    --chat_template_kwargs, the messages and the generation prompt: a change of any renders anew,
+    as the template renders it then; a render that fails is not remembered; at most
+    RENDERED_KEPT are kept."""
     tok = templated_tokenizer(QWEN3_LIKE)
     renders = []
     render = tok.apply_chat_template
@@ -1740,6 +1741,8 @@ def test_renders_are_remembered_by_all_that_changes_them(monkeypatch):
     assert common.render_chat(tok, turn, True, "r:1") == asked + "<think>\n\n</think>\n\n"
     monkeypatch.setattr(tok, "chat_template", MISTRAL_LIKE)
     assert common.render_chat(tok, turn, True, "r:1") == "<bos>[INST] 1+1= [/INST]"
+    monkeypatch.setattr(tok, "bos_token", "<pad>")  # a special token the template prints
+    assert common.render_chat(tok, turn, True, "r:1") == "<pad>[INST] 1+1= [/INST]"
     other = templated_tokenizer(QWEN3_LIKE)
     other.bos_token = "<pad>"  # the same template, another tokenizer
     monkeypatch.setattr(other, "chat_template", MISTRAL_LIKE)
@@ -1748,7 +1751,7 @@ def test_renders_are_remembered_by_all_that_changes_them(monkeypatch):
     for _ in range(2):
         with pytest.raises(Exception, match="no"):
             common.render_chat(tok, turn, True, "r:1")
-    assert len(renders) == 7  # the failure rendered each time
+    assert len(renders) == 8  # the failure rendered each time
     for n in range(2 * common.RENDERED_KEPT):
         common.render_chat(other, [user(f"{n}+1=")], True, "r:1")
     assert len(common.RENDERED) == common.RENDERED_KEPT
