@@ -2539,8 +2539,9 @@ def _export_options(options):
     names = {"--role": "role", "--dtype": "dtype"}
     keywords = {}
     pairs = list(zip(options[::2], options[1::2]))
-    if len(options) % 2 or any(flag not in names for flag, _ in pairs):
-        sys.exit(USAGE)
+    flags = [flag for flag, _ in pairs]
+    if len(options) % 2 or set(flags) - set(names) or len(set(flags)) < len(flags):
+        sys.exit(USAGE)  # an odd word, another flag, or one given twice
     for flag, value in pairs:
         keywords[names[flag]] = value
     return keywords

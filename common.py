@@ -1412,8 +1412,8 @@ def render_prompt(tok, prompt, where, tokenize):
         )
 
 
-# render_chat's latest renders, oldest first: (tokenizer, `template_key`, its special tokens, the
-# messages as JSON, add_generation_prompt) -> text
+# render_chat's latest renders, oldest first: (tokenizer, `template_key`, the messages as JSON,
+# add_generation_prompt) -> text
 RENDERED = {}
 RENDERED_KEPT = 16
 
@@ -1427,10 +1427,7 @@ def render_chat(tok, messages, add_generation_prompt, where):
     `where`); what it raises is the caller's to catch, and not remembered. Messages that are not
     JSON (a caller's own objects; a row read from a file always is) are rendered every time."""
     try:
-        # the special tokens too: apply_chat_template gives the template their texts (a
-        # `{{ bos_token }}`), and a run sets a missing PAD after loading
-        specials = json.dumps(tok.special_tokens_map, sort_keys=True, default=str)
-        key = (tok, template_key(tok), specials, json.dumps(messages), add_generation_prompt)
+        key = (tok, template_key(tok), json.dumps(messages), add_generation_prompt)
     except (TypeError, ValueError):
         key = None
     if key in RENDERED:
@@ -1551,7 +1548,7 @@ def turn_end(tok):
 
 
 @functools.cache  # per tokenizer, template and its variables (asked once per response)
-def _turn_end(tok, chat_template, kwargs_key):
+def _turn_end(tok, chat_template, kwargs_key, specials_key):
     text = _render_mark_turn(tok)
     if text is None or RESPONSE_MARK not in text:
         return None
@@ -1794,6 +1791,8 @@ def check_rows(rows, check):
     if not dist.is_initialized() or dist.get_world_size() == 1:
         for where, row in rows:
             check(row, where=where)
+        return
+    if not rows:  # (every rank has the same rows: all return here, or none)
         return
     # gloo and the run's timeout, as encode_rows' group (a share of slow checks keeps the others)
     group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT.get("timeout"))
@@ -2842,21 +2841,23 @@ def response_end_id(tok):
 
 
 def template_key(tok):
-    """(template, variables) as a hashable key for the caches of what a tokenizer's chat
-    template renders (`_response_end_id`, `_turn_end`): both can change within a process (a
-    test's, `--chat_template_kwargs`). Named templates (chat_template.jinja beside
-    additional_chat_templates/, Command-R's "default" and "tool_use"), a dict, become a tuple:
-    transformers renders the "default" one."""
+    """(template, variables, special tokens) as a hashable key for the caches of what a
+    tokenizer's chat template renders (`render_chat`, `_response_end_id`, `_turn_end`): each can
+    change within a process (a test's, `--chat_template_kwargs`, the PAD a run sets after loading;
+    apply_chat_template gives the template the special tokens' texts: `{{ bos_token }}`). Named
+    templates (chat_template.jinja beside additional_chat_templates/, Command-R's "default" and
+    "tool_use"), a dict, become a tuple: transformers renders the "default" one."""
     template = tok.chat_template
     if isinstance(template, dict):
         template = tuple(sorted(template.items()))
+    specials = json.dumps(tok.special_tokens_map, sort_keys=True, default=str)
     if not CHAT_TEMPLATE_KWARGS:  # (asked several times a row: most runs give none)
-        return template, "{}"
-    return template, json.dumps(CHAT_TEMPLATE_KWARGS, sort_keys=True)
+        return template, "{}", specials
+    return template, json.dumps(CHAT_TEMPLATE_KWARGS, sort_keys=True), specials
 
 
 @functools.cache  # per tokenizer, template and its variables (SFT asks once per example)
-def _response_end_id(tok, chat_template, kwargs_key):
+def _response_end_id(tok, chat_template, kwargs_key, specials_key):
     if not chat_template:
         return tok.eos_token_id
     text = _render_mark_turn(tok)
@@ -3241,19 +3242,21 @@ def finish(args, step, final, role=None):
     model) as an HF folder for the next stage, vLLM and transformers, and prints one summary
     line. A failed export ends every rank (rank 0 with the line saying why)."""
     hf = os.path.join(args.out_dir, "hf")
+    dtype = export_dtype(args)
     error = None
     exporting = step == args.max_steps and bool(final)
     waiting = export_wait_group(args, final, exporting)
     if dist.get_rank() == 0 and exporting:
         try:
-            checkpoint.export(final, hf, role)
+            # this run's --export_dtype: a finished run resumed exports as it is told now
+            checkpoint.export(final, hf, role, dtype)
         # a full disk, a removed folder, a shard DCP cannot read (its CheckpointException is
         # a BaseException): one line, and every rank ends, none left in the broadcast below
         except (Exception, checkpoint.CheckpointException) as e:
             error = (
                 f"error: export of {final} to {hf} failed ({checkpoint.describe(e)}); the "
                 f"checkpoint is committed: export it again with python checkpoint.py export "
-                f"{final} {hf}"
+                f"{final} {hf} --dtype {dtype}"
             )
     outcome = [error]
     # Every rank ends the same way: none left waiting in a collective for a rank 0 that has failed.

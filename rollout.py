@@ -297,7 +297,7 @@ def _sorted_sets(text):
     `common.first_to_say` printed each of them."""
 
     def ordered(match):
-        return "{" + ", ".join(sorted(match.group(1).split(", "))) + "}"
+        return "{" + ", ".join(sorted(re.findall(r"'[^'{}]*'", match.group(1)))) + "}"
 
     return re.sub(r"\{('[^'{}]*'(?:, '[^'{}]*')*)\}", ordered, text)
 

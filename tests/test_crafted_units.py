@@ -1164,3 +1164,15 @@ def test_an_export_in_float16_refuses_a_weight_beyond_its_range(tmp_path, monkey
     monkeypatch.setitem(common.STORED_DTYPES, "m", "bfloat16")  # as --model m loaded
     assert common.export_dtype(SimpleNamespace(export_dtype="auto", model="m")) == "bfloat16"
     assert common.export_dtype(SimpleNamespace(export_dtype="float16", model="m")) == "float16"
+
+
+def test_export_options_are_each_given_once():
+    """`checkpoint.py export CKPT OUT [--role NAME] [--dtype D]`, in either order; a flag given
+    twice (the last one won, silently), an unknown one or an odd word is the usage line."""
+    assert checkpoint._export_options(["--dtype", "bfloat16", "--role", "critic"]) == {
+        "dtype": "bfloat16",
+        "role": "critic",
+    }
+    for options in (["--role", "a", "--role", "b"], ["--dtype"], ["--seed", "1"]):
+        with pytest.raises(SystemExit, match="^usage: python checkpoint.py"):
+            checkpoint._export_options(options)

@@ -687,7 +687,8 @@ def test_a_bf16_model_exports_in_bf16(tmp_path):
     """A model folder stored in bf16 (config.json's dtype, as most releases) trains in fp32 master
     weights and exports in bf16 (--export_dtype auto, recorded in the checkpoint): each weight the
     fp32 one rounded to nearest, as `checkpoint.py export --dtype float32` gives it; `--dtype
-    float16` exports fp16; a dtype it has no such name for is one line, before any work."""
+    float16` exports fp16; a dtype it has no such name for is one line, before any work; the
+    finished run resumed with another --export_dtype exports in that one."""
     from transformers import AutoModelForCausalLM
     from transformers import AutoTokenizer
 
@@ -716,6 +717,10 @@ def test_a_bf16_model_exports_in_bf16(tmp_path):
     assert all(torch.equal(half[k], full[k].to(torch.float16)) for k in full)
     p = run_py("checkpoint.py", "export", latest(out), tmp_path / "x", "--dtype", "float64")
     assert_one_line_error(p, "--dtype float64: expected one of float32, bfloat16, float16")
+    # the finished run resumed (as after a failed export) exports as this run's flag says
+    run("train_sft.py", *args, "--resume", "latest", "--export_dtype", "float32")
+    config = json.load(open(os.path.join(out, "hf", "config.json")))
+    assert config["dtype"] == "float32"
 
 
 def newline_char_tokenizer(specials, unk):

@@ -1844,3 +1844,14 @@ def test_empty_responses_are_noted(one_rank, tmp_path, capsys):
     train, _ = train_sft.load_data(args, tok, 64)
     assert [len(ids) - n_prompt for ids, n_prompt in train] == [2, 1]  # "3" and EOS; EOS alone
     assert f"note: {data}: 1 of 2 responses are empty" in capsys.readouterr().out
+
+
+def test_vllms_sets_in_an_error_line_are_ordered():
+    """vLLM lists a module's parameters as a Python set, ordered by each process's own string
+    hashes: `rollout._sorted_sets` sorts every such set, so that every rank's line is the same
+    (`common.first_to_say` prints it once), a name holding ", " whole."""
+    line = "are: {'o.weight', 'qkv.bias', 'a, b'} and {'z'}; {1, 2} stays"
+    assert (
+        rollout._sorted_sets(line)
+        == "are: {'a, b', 'o.weight', 'qkv.bias'} and {'z'}; {1, 2} stays"
+    )
