@@ -153,7 +153,9 @@ def on_policy(model, tok, policy, n_prompts, taus, chosen_scores):
 
 def main(rm_dir, policy_dir, n_prompts="500"):
     common.quiet_console(verbose=False)
-    torch.set_num_threads(2)
+    # both cores of the 2-core machine the README's numbers come from, or OMP_NUM_THREADS where
+    # it is set (two threads beside another busy process spin-wait: the tests run these at 1)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     tok = AutoTokenizer.from_pretrained(rm_dir)
     model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
     model.config.pad_token_id = tok.pad_token_id  # as bench/rm_kinds.py

@@ -112,10 +112,13 @@ def test_reward_model_benches_run(tmp_path):
     rm.config.reward_std = 1.0
     rm.save_pretrained(tmp_path / "rm")
     AutoTokenizer.from_pretrained("assets/tiny-llama").save_pretrained(tmp_path / "rm")
-    kinds = run_py("bench/rm_kinds.py", tmp_path / "rm", "assets/tiny-llama")
+    # one thread each: two threads beside the other test worker's processes spin-wait (this
+    # test took 270 s of the suite, 29 s alone)
+    one = {"OMP_NUM_THREADS": "1"}
+    kinds = run_py("bench/rm_kinds.py", tmp_path / "rm", "assets/tiny-llama", env=one)
     assert kinds.returncode == 0, kinds.stderr[-3000:]
     assert "on-policy" in kinds.stdout, kinds.stdout[-3000:]
-    verifier = run_py("bench/rm_verifier.py", tmp_path / "rm", "assets/tiny-llama", "16")
+    verifier = run_py("bench/rm_verifier.py", tmp_path / "rm", "assets/tiny-llama", "16", env=one)
     assert verifier.returncode == 0, verifier.stderr[-3000:]
     for line in ("training pairs:", "on-policy:", "within a prompt:", "accepting 10% of"):
         assert line in verifier.stdout, verifier.stdout[-3000:]
