@@ -2850,7 +2850,7 @@ def template_key(tok):
     template = tok.chat_template
     if isinstance(template, dict):
         template = tuple(sorted(template.items()))
-    specials = json.dumps(tok.special_tokens_map, sort_keys=True, default=str)
+    specials = repr(tok.special_tokens_map)  # (a key within this process: its order is fixed)
     if not CHAT_TEMPLATE_KWARGS:  # (asked several times a row: most runs give none)
         return template, "{}", specials
     return template, json.dumps(CHAT_TEMPLATE_KWARGS, sort_keys=True), specials
