@@ -63,6 +63,7 @@ from tqdm import tqdm
 from transformers import AutoConfig
 from transformers import AutoTokenizer
 from transformers import GenerationConfig
+from transformers import PreTrainedTokenizerBase
 
 import checkpoint
 import objstore
@@ -1400,16 +1401,25 @@ def render_prompt(tok, prompt, where, tokenize):
         )
     messages = chat_messages(prompt)
     try:
+        if tokenize and type(tok).apply_chat_template is not BASE_APPLY_CHAT_TEMPLATE:
+            with render_time_limit(where):  # a tokenizer's own (mistral-common's): as it does
+                return tok.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, **CHAT_TEMPLATE_KWARGS
+                )
+        text = render_chat(tok, messages, True, where)
         if not tokenize:
-            return render_chat(tok, messages, True, where)
-        with render_time_limit(where):
-            return tok.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, **CHAT_TEMPLATE_KWARGS
-            )
+            return text
+        # what transformers' apply_chat_template(tokenize=True) does with the text it renders
+        return tok(text, add_special_tokens=False)
     except Exception as e:  # jinja's TemplateError, or what a filter raised: the template's
         raise SystemExit(
             f"error: {where}: the chat template fails on this prompt ({checkpoint.describe(e)})"
         )
+
+
+# transformers' own apply_chat_template, which renders, then tokenizes the text without adding
+# special tokens: `render_prompt` does the same from the text `render_chat` remembers
+BASE_APPLY_CHAT_TEMPLATE = PreTrainedTokenizerBase.apply_chat_template
 
 
 # render_chat's latest renders, oldest first: (tokenizer, `template_key`, the messages as JSON,
