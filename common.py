@@ -2232,6 +2232,7 @@ def _load_model_and_tokenizer(path, cls, attn_implementation, new_head, flag, kw
     check_special_tokens_known(tok, path, flag)
     check_finite_weights(model, info["missing_keys"], path, flag)
     check_stored_dtypes(path, config, model, flag)
+    check_forward(model, path, flag)
     limit = tok.model_max_length  # compared with every text's length as it is encoded
     if isinstance(limit, bool) or not isinstance(limit, numbers.Real):
         raise SystemExit(
@@ -2298,6 +2299,25 @@ def check_finite_weights(model, missing, path, flag):
         for chunk in param.detach().view(-1).split(2**24):
             if not torch.isfinite(chunk).all():
                 raise SystemExit(f"error: {flag} {path}: weight {name} holds NaN or inf")
+
+
+def check_forward(model, path, flag):
+    """The model must run: a config.json transformers accepts can still describe a model its
+    forward cannot compute (phi with partial_rotary_factor 0.4 at a head of 64: 25.6 rotary
+    dimensions, a shape mismatch in rotate_half), which stopped the first step in a traceback from
+    every rank. One forward of two tokens on the CPU, where the weights are now (milliseconds for
+    the tiny model); in eval mode, as loaded, without gradients: no RNG drawn, nothing kept."""
+    ids = torch.zeros(1, 2, dtype=torch.long)  # id 0 is a row of every embedding matrix
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    # Anything: only transformers' modeling code runs here, on the folder's settings
+    except Exception as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [""]
+        raise SystemExit(
+            f"error: {flag} {path}: transformers cannot run the model its config.json describes "
+            f"(a forward pass of two tokens fails: {type(e).__name__}: {lines[0]:.200})"
+        )
 
 
 # safetensors' names of the dtypes that hold no real numbers

@@ -1040,6 +1040,38 @@ def test_a_crafted_model_folder_is_one_line(tmp_path, damage, needle):
     assert line.startswith(f"error: --model {model_dir}") and needle in line, line
 
 
+def test_a_config_transformers_accepts_but_cannot_run_is_one_line(tmp_path):
+    """phi-2's partial_rotary_factor 0.4 at a head of 64 (phi-2's own heads are 80): 25.6 rotary
+    dimensions, which transformers' config and loader accept and its forward cannot compute. The
+    first step stopped in a traceback from every rank; the loader now runs two tokens through
+    the model (`common.check_forward`). The tiny model's tokenizer, a 1-layer phi."""
+    from transformers import AutoModelForCausalLM
+    from transformers import PhiConfig
+    from transformers import PhiForCausalLM
+
+    import common
+
+    task.ensure_tiny_model()
+    model_dir = tmp_path / "phi"
+    model_dir.mkdir()
+    for name in os.listdir(task.TINY_MODEL):
+        if name.startswith("tokenizer") or name == "special_tokens_map.json":
+            shutil.copy(os.path.join(task.TINY_MODEL, name), model_dir)
+    shape = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=1)
+    config = PhiConfig(
+        **shape, num_attention_heads=2, partial_rotary_factor=0.4, bos_token_id=1, eos_token_id=2
+    )
+    PhiForCausalLM(config).save_pretrained(model_dir)
+    with pytest.raises(SystemExit) as exit_info:
+        common.load_model_and_tokenizer(str(model_dir), AutoModelForCausalLM)
+    line = exit_info.value.code
+    assert line == (
+        f"error: --model {model_dir}: transformers cannot run the model its config.json "
+        "describes (a forward pass of two tokens fails: RuntimeError: The size of tensor a (25) "
+        "must match the size of tensor b (26) at non-singleton dimension 3)"
+    ), line
+
+
 def test_a_read_error_names_the_file():
     """An I/O error while reading a data file (a failing disk, a network mount; here the kernel's
     EIO from /proc/self/mem) carries no file name: the line said only "[Errno 5] Input/output
