@@ -2000,6 +2000,11 @@ def check_held_out(tok, examples, max_len):
             )
 
 
+# Families with ALiBi and no position table, whose configs name no context length: the length
+# they were trained at (BLOOM: 2048, its paper's; vLLM assumes 2048 too where a config names none).
+ALIBI_WITHOUT_A_LIMIT = {"bloom": 2048}
+
+
 def context_length(model_path, config, flag="--model"):
     """The longest sequence the model takes: `max_position_embeddings` (GPT-2's n_positions is
     mapped to it), read on the text model's config of a multimodal wrapper (Gemma 3 from 4B up
@@ -2010,6 +2015,8 @@ def context_length(model_path, config, flag="--model"):
         value = getattr(text_config, name, None)
         if type(value) is int and value > 0:
             return value
+    if text_config.model_type in ALIBI_WITHOUT_A_LIMIT:
+        return ALIBI_WITHOUT_A_LIMIT[text_config.model_type]
     raise SystemExit(
         f"error: {flag} {model_path}: its config ({type(config).__name__}) names no context "
         "length (max_position_embeddings); this model family is not supported"

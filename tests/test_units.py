@@ -1095,11 +1095,14 @@ def test_a_token_across_the_join_is_never_dropped():
 
 
 def test_context_length_of_wrapped_and_plain_configs():
+    from transformers import BloomConfig
     from transformers import Gemma3Config
     from transformers import GPT2Config
     from transformers import MambaConfig
 
     assert common.context_length("m", GPT2Config(n_positions=50)) == 50
+    # BLOOM: ALiBi, no position table, no limit named: the 2048 it was trained at
+    assert common.context_length("m", BloomConfig()) == 2048
     # Gemma 3 from 4B up: a multimodal wrapper, the text model's limit in text_config
     wrapped = Gemma3Config(text_config={"max_position_embeddings": 77})
     assert not hasattr(wrapped, "max_position_embeddings")
