@@ -2313,7 +2313,8 @@ def check_forward(model, path, flag):
     forward cannot compute (phi with partial_rotary_factor 0.4 at a head of 64: 25.6 rotary
     dimensions, a shape mismatch in rotate_half), which stopped the first step in a traceback from
     every rank. One forward of two tokens on the CPU, where the weights are now (milliseconds for
-    the tiny model); in eval mode, as loaded, without gradients: no RNG drawn, nothing kept.
+    the tiny model, 0.5-0.9 s for 500M parameters on one thread: less than check_finite_weights);
+    in eval mode, as loaded, without gradients: no RNG drawn, no buffer changed, nothing kept.
     Only with the attention the CPU runs: flash_attention_2 and other kernels of the GPU alone
     (--attn_implementation) would fail here, on a model that runs where it will train."""
     if getattr(model.config, "_attn_implementation", None) not in ("eager", "sdpa"):

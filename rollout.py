@@ -471,20 +471,28 @@ def _repack_cpu_tied_head(worker):
     one update (its own head repacked: 2e-5). GPT-2's and Qwen2's loaders took the tied
     `lm_head.weight` the sync used to send, which repacked theirs; the sync leaves tied tensors
     out now, as the folder does (`sync_weights`). Written against vllm 0.32.0."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     model = worker.model_runner.get_model()
-    head = getattr(model, "lm_head", None)
-    weight = getattr(head, "weight", None)
-    method = getattr(head, "quant_method", None)
-    if not isinstance(weight, torch.Tensor) or weight.numel() == 0 or method is None:
-        return
-    tied = any(
-        m is not head and isinstance(m, VocabParallelEmbedding) and m.weight is weight
+    embeddings = {
+        id(m.weight)
         for m in model.modules()
-    )
-    if tied:
-        method.process_weights_after_loading(head)
+        if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
+    }
+    # every head, a multimodal wrapper's too (vLLM's Gemma3ForConditionalGeneration keeps it at
+    # language_model.lm_head, and has no lm_head of its own)
+    for head in model.modules():
+        weight = getattr(head, "weight", None)
+        if (
+            isinstance(head, ParallelLMHead)
+            and isinstance(head.quant_method, UnquantizedEmbeddingMethod)
+            and isinstance(weight, torch.Tensor)
+            and weight.numel() > 0
+            and id(weight) in embeddings
+        ):
+            head.quant_method.process_weights_after_loading(head)
 
 
 class HFEngine:
