@@ -2325,10 +2325,9 @@ def check_forward(model, path, flag):
             model(input_ids=ids, attention_mask=torch.ones_like(ids))
     # Anything: only transformers' modeling code runs here, on the folder's settings
     except Exception as e:
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [""]
         raise SystemExit(
             f"error: {flag} {path}: transformers cannot run the model its config.json describes "
-            f"(a forward pass of two tokens fails: {type(e).__name__}: {lines[0]:.200})"
+            f"(a forward pass of two tokens fails: {checkpoint.describe(e):.200})"
         )
 
 
