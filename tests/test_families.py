@@ -672,12 +672,14 @@ def test_qwen2_engines_stop_at_its_second_eos_id(tmp_path):
     assert p.stdout.count("ROLLOUT CHECK OK rank") == 2, p.stdout[-2000:]
 
 
-def test_weight_sync_sentinel_tied_head(tmp_path):
-    """rollout_check on a tied-head model with no PAD (GPT-2): the engines' logprobs follow a
-    perturbed actor after `sync_weights` only, both engines, EOS and seeds as for the tiny Llama
-    (tests/test_rollout.py: the untied case)."""
-    base = str(tmp_path / "gpt2")
-    build_gpt2(base)
+@pytest.mark.parametrize("family", ["gpt2", "gemma3"])
+def test_weight_sync_sentinel_tied_head(tmp_path, family):
+    """rollout_check on tied-head models: GPT-2 (no PAD) and Gemma 3 (its embedding scaled by
+    sqrt(hidden size) in the forward, not in the weight; a sliding layer): the engines' logprobs
+    follow a perturbed actor after `sync_weights` only, both engines, EOS and seeds as for the
+    tiny Llama (tests/test_rollout.py: the untied case)."""
+    base = str(tmp_path / family)
+    globals()[f"build_{family}"](base)  # build_gemma3 is defined further down
     p = run("tests/rollout_check.py", base, nproc=2)
     assert "ROLLOUT CHECK OK rank 0" in p.stdout, p.stdout[-2000:]
     assert "ROLLOUT CHECK OK rank 1" in p.stdout, p.stdout[-2000:]
