@@ -2698,9 +2698,9 @@ def check_num_labels(path, config, num_labels, flag):
 def classifier_class(config, cls):
     """The class `cls` (an Auto class) loads `config`'s family as. For a token or sequence
     classifier of a family transformers ships none for (in transformers 5.19, 119 of its 178
-    causal-LM families have no token classifier, 92 no sequence classifier: Gemma 3, OLMo 2,
-    Granite, Cohere among them), the class transformers would write: its own
-    `GenericFor{Token,Sequence}Classification` over the family's PreTrainedModel, as
+    causal-LM families have no token classifier, Gemma 3 and OLMo 2 among them, and 92 no
+    sequence classifier, Granite and Cohere among them), the class transformers would write:
+    its own `GenericFor{Token,Sequence}Classification` over the family's PreTrainedModel, as
     `LlamaForTokenClassification` is written. Its backbone sits where the family's causal LM keeps
     it (`base_model_prefix`), so it loads from a causal LM folder; its head is `score`."""
     from transformers import AutoModelForSequenceClassification
@@ -2793,6 +2793,15 @@ def check_all_used(path, unexpected, model, flag="--model"):
 def any_layer(name):
     """A weight's name with its layer numbers as '#': model.layers.7.mlp -> model.layers.#.mlp."""
     return re.sub(r"\.\d+\.", ".#.", name)
+
+
+def set_pad_token_id(config, pad_id):
+    """A classifier config's pad id, set where transformers' sequence classifier reads it: its
+    forward looks at `config.get_text_config().pad_token_id` (to refuse a batch without one, and
+    to pool at the last token that is not PAD), which for a multimodal wrapper (Qwen3.5, Gemma 3
+    from 4B up) is its `text_config`, not the top-level config. Set on both."""
+    config.pad_token_id = pad_id
+    config.get_text_config().pad_token_id = pad_id
 
 
 def value_head(model):

@@ -608,7 +608,7 @@ def load_reward_model(args, models):
     )
     # transformers' own pooling refuses batches when the config has no pad id; the score is
     # read by `reward_model_scores` from the lengths, whatever this id is.
-    reward_model.config.pad_token_id = reward_tok.pad_token_id
+    common.set_pad_token_id(reward_model.config, reward_tok.pad_token_id)
     models.reward_model = reward_model.requires_grad_(False)
     models.reward_tokenizer = reward_tok
     models.reward_context = common.context_length(
@@ -1623,7 +1623,8 @@ def iteration_metrics(update_stats, rollout_stats, maxima, device):
     totals = common.global_sums({**update_stats, **rollout_stats}, device)
     n = totals["responses"]
     metrics = {
-        "objective/score": totals["score"] / n,  # the raw score, before the EOS penalty
+        # the reward before the EOS penalty (a reward model's normalised: `score`)
+        "objective/score": totals["score"] / n,
         "objective/entropy": totals["nll"] / totals["tokens"],  # of the sampled tokens, per token
         "objective/no_eos_frac": 1 - totals["finished"] / n,
         "objective/response_len": totals["tokens"] / n,
@@ -1667,13 +1668,17 @@ def sample_scores(raw_scores, gold, rule_parts):
 
 def write_samples(out_dir, step, prompts, scores, gen, tok, n):
     """Rank 0: a few (prompt, response, scores) rows to read, appended to samples.jsonl. scores:
-    {name: [B]}, the raw "score" and, where logged, "gold_score" and each rule's ("rule/...")."""
+    {name: [B]}, the "score" before the EOS penalty (a reward model's normalised) and, where
+    logged, "gold_score" and each rule's ("rule/..."). The response is its text without special
+    tokens, as the rules read it (a reward model reads them: `written_text`); "finished" says
+    whether it ended at a stop token (`reward_model_inputs` adds the reward model's end then)."""
     with checkpoint.open_regular(os.path.join(out_dir, "samples.jsonl"), "a") as f:
         for i in range(min(4, len(gen.response_ids))):
             row = {"step": step, "prompt": prompts[i // n][1]["prompt"]}
             for name, values in scores.items():
                 row[name] = values[i].item()
             row["response"] = tok.decode(gen.response_ids[i], skip_special_tokens=True)
+            row["finished"] = gen.finished[i]
             f.write(json.dumps(row) + "\n")
 
 

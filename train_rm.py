@@ -329,7 +329,7 @@ def build_reward_model(args):
         init_reward_head(common.value_head(model), args.seed)
     # transformers' forward refuses a batch without a pad id; ours reads the score's position
     # from the mask. The checkpoints and the export save it where it is safe (`SavedConfig`).
-    model.config.pad_token_id = tok.pad_token_id
+    common.set_pad_token_id(model.config, tok.pad_token_id)
     # A reward model trained further carries the statistics of its old scores: dropped, so that
     # nothing saved carries another model's (each save records this model's: `main`).
     for key in ("reward_mean", "reward_std"):
@@ -362,7 +362,7 @@ class SavedConfig:
 
     def save_pretrained(self, path):
         config = copy.deepcopy(self.config)
-        config.pad_token_id = self.pad_token_id
+        common.set_pad_token_id(config, self.pad_token_id)
         config.save_pretrained(path)
 
 

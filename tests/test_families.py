@@ -520,14 +520,12 @@ def test_reward_model_of_another_family(tmp_path):
     samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
     assert samples
     for sample in samples:
-        options = []
-        for ended in (False, True):  # (whether it ended at EOS is not logged: both are tried)
-            ids = train_ppo.reward_model_inputs(
-                gpt2_tok, [sample["prompt"]], [sample["response"]], [ended]
-            )[0]
-            with torch.no_grad():
-                options.append(reward_model(torch.tensor([ids])).logits[0, 0].item())
-        assert min(abs(sample["score"] - s) for s in options) < 1e-4, (sample, options)
+        ids = train_ppo.reward_model_inputs(
+            gpt2_tok, [sample["prompt"]], [sample["response"]], [sample["finished"]]
+        )[0]
+        with torch.no_grad():
+            score = reward_model(torch.tensor([ids])).logits[0, 0].item()
+        assert abs(sample["score"] - score) < 1e-4, (sample, score)
 
 
 @pytest.fixture(scope="module")
@@ -658,6 +656,59 @@ def test_reward_model_of_a_family_without_a_classifier(tmp_path):
     run("train_ppo.py", *args)
     scores = [row["objective/score"] for row in metrics(out) if "objective/score" in row]
     assert len(scores) == 2 and all(math.isfinite(s) for s in scores), scores
+
+
+def build_qwen3_5(path):
+    """A Qwen3.5 folder as released: the multimodal wrapper (Qwen3_5ForConditionalGeneration, a
+    1-layer vision tower) around a 2-layer text model (a linear-attention layer, then a full
+    one), build_qwen2's tokenizer. Its text settings, the pad id among them, live in
+    `text_config`."""
+    from transformers import AutoTokenizer
+    from transformers import Qwen3_5Config
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    build_qwen2(path)  # its tokenizer, then the wrapper in place of its Qwen2
+    tok = AutoTokenizer.from_pretrained(path)
+    text = dict(SHAPE, vocab_size=len(tok), head_dim=64, bos_token_id=0, eos_token_id=2)
+    text.update(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2)
+    text.update(linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128)
+    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Qwen3_5ForConditionalGeneration(config).save_pretrained(path)
+
+
+def test_reward_model_of_a_multimodal_wrapper(tmp_path):
+    """train_rm.py on a Qwen3.5 folder (the multimodal wrapper; Gemma 3 from 4B up and Llama 4
+    are alike): transformers' sequence classifier reads its pad id from `text_config`, where the
+    wrapper keeps None, so the id was set where it is not read and the first batch of two failed
+    with transformers' "Cannot handle batch sizes > 1 if no padding token is defined"
+    (`common.set_pad_token_id`). The export then scores a padded batch in plain transformers as
+    PPO's last-token read does."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoTokenizer
+
+    import train_ppo
+
+    base = str(tmp_path / "qwen3_5")
+    build_qwen3_5(base)
+    assert json.load(open(os.path.join(base, "config.json")))["text_config"]["pad_token_id"] is None
+    rm = str(tmp_path / "rm")
+    args = ("--model", base, "--out_dir", rm, "--max_steps", 2, "--train_batch_size", 8)
+    args += ("--micro_batch_size", 4, "--pairs_per_prompt", 1, "--norm_samples", 16)
+    run("train_rm.py", *args, "--eval_every", 0, "--eval_samples", 16)
+    hf = os.path.join(rm, "hf")
+    model = AutoModelForSequenceClassification.from_pretrained(hf)
+    tok = AutoTokenizer.from_pretrained(hf)
+    assert model.config.get_text_config().pad_token_id == tok.pad_token_id != tok.eos_token_id
+    seqs = train_ppo.reward_model_inputs(tok, ["37+45=", "1+1="], ["82", "3"], [True, False])
+    width = max(len(s) for s in seqs)
+    input_ids = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in seqs])
+    attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    with torch.no_grad():
+        batch = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0]
+        alone = [model(input_ids=torch.tensor([s])).logits[0, 0] for s in seqs]
+    assert torch.allclose(batch, torch.stack(alone), atol=1e-5), (batch, alone)
 
 
 def test_qwen2_engines_stop_at_its_second_eos_id(tmp_path):
