@@ -3229,7 +3229,12 @@ def close_progress_bar(pbar):
     after it (in `finish`'s export) needs no line break of its own, which was a blank line."""
     pbar.close()
     if dist.get_rank() == 0 and "store" in CONSOLE:
-        CONSOLE["store"].delete_key(f"bar/{socket.gethostname()}")
+        # Best effort, as in `bar_break`: with torchrun (the store's host) killed alone, the ranks
+        # train on to the end, and a traceback here ended a run whose every step was saved.
+        try:
+            CONSOLE["store"].delete_key(f"bar/{socket.gethostname()}")
+        except (RuntimeError, dist.DistError):
+            pass
 
 
 def print_error(line):

@@ -3,7 +3,9 @@ summary, and nothing of vLLM's, transformers' or torch's (`common.quiet_console`
 print 667 lines, 243 of them third-party WARNINGs, a vLLM traceback and a load report per model."""
 
 import os
+import socket
 import subprocess
+from datetime import timedelta
 
 import pytest
 
@@ -105,3 +107,47 @@ def test_a_name_that_is_not_utf8_prints_under_a_strict_locale(tmp_path):
     env = {"PYTHONIOENCODING": "utf-8:strict", "PYTHONUTF8": "0"}
     p = run_py("-c", code, "--out_dir", tmp_path, env=env)
     assert p.returncode == 0 and "skipping step-\\udcff" in p.stdout, p.stderr[-2000:]
+
+
+def test_a_bar_closes_after_the_launchers_store_is_gone():
+    """torchrun killed alone takes its TCPStore with it while the ranks train on to the end; rank
+    0 then died with a traceback in `common.close_progress_bar` (which tells the store its bar has
+    closed), not at a collective's one line. The store's host here is a process of its own,
+    killed before the bar closes: closing it is best effort, as `common.bar_break` is."""
+    import sys
+
+    import torch.distributed as dist
+
+    import common
+
+    host = subprocess.Popen(
+        [sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    try:
+        port = int(host.stdout.readline())
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+        ours = not dist.is_initialized()
+        if ours:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        common.CONSOLE["store"] = dist.PrefixStore("console/", store)
+        bar = common.progress_bar(3, 0, "step")  # the store is told: a bar is on this console
+        host.kill()
+        host.wait()
+        with pytest.raises(dist.DistError):
+            store.get(f"console/bar/{socket.gethostname()}")  # the store is gone indeed
+        common.close_progress_bar(bar)
+    finally:
+        host.kill()
+        common.CONSOLE.pop("store", None)
+        if ours and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# A TCPStore on a free port, its port printed; it lives until killed.
+STORE_HOST = """
+import time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(600)
+"""
