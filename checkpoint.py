@@ -44,6 +44,7 @@ import tempfile
 import time
 import uuid
 import warnings
+import zipfile
 
 import numpy as np
 import torch
@@ -60,6 +61,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -103,12 +105,62 @@ ALLOWED_GLOBALS = {
 # The largest step or size a checkpoint may claim: the largest integer a JSON reader holds exactly.
 MAX_COUNT = 2**53 - 1
 
+# How deeply a .metadata pickle may nest tuples (DCP's own: 3, a chunk's offsets in an index)
+MAX_PICKLE_NESTING = 32
+
 
 class _SafeUnpickler(pickle._Unpickler):
     """Only the allow-listed classes, and BUILD only as DCP's own pickles use it. The pure-Python
     unpickler (pickle._Unpickler): its opcode table can be overridden, the C one's cannot."""
 
     dispatch = dict(pickle._Unpickler.dispatch)
+
+    def __init__(self, f):
+        super().__init__(f)
+        self._nesting = {}  # id of every tuple and frozenset made -> how deeply it nests
+        self._made = []  # each kept alive, so no id is reused
+
+    def _check_nesting(self):
+        """Tuples and frozensets nested deeper than DCP's ever are (a tuple 1,000,000 deep, 1 MB
+        of TUPLE1 opcodes, hashed as a dict key): CPython hashes and compares them recursively in
+        C, without a recursion check, and the process died of SIGSEGV, no line, no fallback."""
+        obj = self.stack[-1]
+        if type(obj) not in (tuple, frozenset):
+            return
+        depth = 1 + max((self._nesting.get(id(item), 0) for item in obj), default=0)
+        if depth > MAX_PICKLE_NESTING:
+            raise CheckpointError(
+                f"refusing to unpickle: tuples nested over {MAX_PICKLE_NESTING} deep"
+            )
+        self._nesting[id(obj)] = depth
+        self._made.append(obj)
+
+    # every opcode that makes a tuple or a frozenset checks how deeply it nests
+    def load_tuple(self):
+        super().load_tuple()
+        self._check_nesting()
+
+    def load_tuple1(self):
+        super().load_tuple1()
+        self._check_nesting()
+
+    def load_tuple2(self):
+        super().load_tuple2()
+        self._check_nesting()
+
+    def load_tuple3(self):
+        super().load_tuple3()
+        self._check_nesting()
+
+    def load_frozenset(self):
+        super().load_frozenset()
+        self._check_nesting()
+
+    dispatch[pickle.TUPLE[0]] = load_tuple
+    dispatch[pickle.TUPLE1[0]] = load_tuple1
+    dispatch[pickle.TUPLE2[0]] = load_tuple2
+    dispatch[pickle.TUPLE3[0]] = load_tuple3
+    dispatch[pickle.FROZENSET[0]] = load_frozenset
 
     def find_class(self, module, name):
         allowed = name in ALLOWED_GLOBALS.get(module, ())
@@ -174,6 +226,27 @@ class _SafeReader(dcp.FileSystemReader):
             self.metadata = metadata
         return self.metadata
 
+    def prepare_local_plan(self, plan):
+        """Before this rank reads: each byte range it will torch.load holds only records stored
+        as they are (`_check_uncompressed`). Here, not in `_check_storage`: a rank opens the
+        ranges it reads, not every rank's of every file. (A store's ranges are not checked: a
+        ranged GET each.)"""
+        for path, infos in _ranges_by_file(plan, self.storage_data).items():
+            with open_regular(os.path.join(self.path, path), "rb") as f:
+                for fqn, info in infos:
+                    _check_uncompressed(f, info, f"{self.path}/{path}: {fqn!r:.80}")
+        return plan
+
+
+def _ranges_by_file(plan, storage_data):
+    """{relative path: [(fqn, its _StorageInfo)]} of the storage ranges a load plan reads, each
+    once."""
+    ranges = {}
+    for item in plan.items:
+        info = storage_data[item.storage_index]
+        ranges.setdefault(info.relative_path, {})[info.offset] = (item.storage_index.fqn, info)
+    return {path: list(infos.values()) for path, infos in ranges.items()}
+
 
 def _check_storage(metadata, folder, sizes=None):
     """Before DCP reads anything: every storage entry names a regular file right in `folder` (the
@@ -201,8 +274,62 @@ def _check_storage(metadata, folder, sizes=None):
         if not fits:
             fqn = getattr(index, "fqn", index)
             raise CheckpointError(
-                f"{where}: storage entry {fqn!r} reads bytes {offset!r}+{length!r} of {name}, "
-                f"which holds {sizes[name]}"
+                f"{where}: storage entry {fqn!r:.80} reads bytes {offset!r}+{length!r} of "
+                f"{name}, which holds {sizes[name]}"
+            )
+
+
+class _Window(io.RawIOBase):
+    """Bytes offset..offset+length of an open file, as a file of its own (for zipfile)."""
+
+    def __init__(self, f, offset, length):
+        self.f = f
+        self.offset = offset
+        self.length = length
+        self.pos = 0
+
+    def seekable(self):
+        return True
+
+    def readable(self):
+        return True
+
+    def seek(self, pos, whence=io.SEEK_SET):
+        if whence == io.SEEK_CUR:
+            pos += self.pos
+        elif whence == io.SEEK_END:
+            pos += self.length
+        self.pos = max(0, min(self.length, pos))
+        return self.pos
+
+    def tell(self):
+        return self.pos
+
+    def read(self, n=-1):
+        left = self.length - self.pos
+        if n is not None and 0 <= n < left:
+            left = n
+        self.f.seek(self.offset + self.pos)
+        data = self.f.read(left)
+        self.pos += len(data)
+        return data
+
+
+def _check_uncompressed(f, info, where):
+    """A storage range (`info`, of the open file `f`) is a torch.save zip, which DCP hands to
+    torch.load: torch.save stores its records as they are, and torch.load inflates deflated
+    ones, so a crafted range of 1 MB allocated 1 GB (20 MB: 20 GB). Every record must be stored
+    as it is, within the range. Reads the zip's central directory only."""
+    try:
+        with zipfile.ZipFile(_Window(f, info.offset, info.length)) as z:
+            records = z.infolist()
+    except (zipfile.BadZipFile, ValueError, EOFError) as e:
+        raise CheckpointError(f"{where}: not a torch.save record ({e})") from None
+    for r in records:
+        if r.compress_type != zipfile.ZIP_STORED or r.file_size > info.length:
+            raise CheckpointError(
+                f"{where}: record {r.filename!r:.80} is compressed ({r.compress_size} bytes "
+                f"inflating to {r.file_size}); torch.save stores records as they are"
             )
 
 
@@ -219,6 +346,53 @@ def _check_entries(metadata, where):
             raise CheckpointError(
                 f"{where}: entry {key!r:.80} is not what DCP writes for a tensor or bytes"
             )
+        offsets = [None]  # bytes: one storage entry, at no offset
+        if type(entry) is TensorStorageMetadata:
+            if not _chunks_tile(entry):
+                # DCP fills only what the chunks cover: the rest of the tensor kept the export's
+                # uninitialised memory (or a resume's --model weights), exit status 0
+                raise CheckpointError(
+                    f"{where}: entry {key!r:.80}: its chunks do not cover its shape "
+                    f"{tuple(entry.size)} exactly once"
+                )
+            offsets = [chunk.offsets for chunk in entry.chunks]
+        for offset in offsets:
+            # (DCP's own failure: a KeyError naming a MetadataIndex, not the checkpoint)
+            if MetadataIndex(key, offset) not in metadata.storage_data:
+                raise CheckpointError(f"{where}: entry {key!r:.80} has no storage entry")
+
+
+def _chunks_tile(entry):
+    """Whether a tensor entry's chunks lie within its size and cover every element once: in
+    bounds, disjoint (pairwise, after sorting: DCP saves one chunk per rank at most), and as
+    many elements in all as the tensor holds."""
+    size = tuple(entry.size)
+    boxes = []  # (offsets, sizes) of each chunk that holds elements
+    for chunk in entry.chunks:
+        start = tuple(chunk.offsets)
+        extent = tuple(chunk.sizes)
+        if any(o + k > d for o, k, d in zip(start, extent, size)):
+            return False
+        if math.prod(extent):
+            boxes.append((start, extent))
+    if sum(math.prod(extent) for _, extent in boxes) != math.prod(size):
+        return False
+    boxes.sort()  # by the first dim's offset: a box can only overlap those starting before its end
+    for i in range(len(boxes)):
+        for j in range(i + 1, len(boxes)):
+            if size and boxes[j][0][0] >= boxes[i][0][0] + boxes[i][1][0]:
+                break
+            if _boxes_overlap(boxes[i], boxes[j]):
+                return False
+    return True
+
+
+def _boxes_overlap(a, b):
+    """Whether two (offsets, sizes) boxes share an element: they overlap in every dim."""
+    return all(
+        a_start < b_start + b_size and b_start < a_start + a_size
+        for a_start, a_size, b_start, b_size in zip(a[0], a[1], b[0], b[1])
+    )
 
 
 def _is_tensor_entry(entry):

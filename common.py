@@ -1774,6 +1774,7 @@ def encode_rows(rows, encode):
     them all: each rank stops at its own first failure, and the earliest of those is the data's
     first bad row (`_raise_first_failure`). Watch for: `encode` must be a function of its row
     alone (no state carried from one row to the next), since a row is encoded on one rank only."""
+    encode = functools.partial(_panic_named, encode)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return TokenRows(encode(row, where=where) for where, row in rows)
     rank = dist.get_rank()
@@ -1813,6 +1814,19 @@ def check_rows(rows, check):
 
 def _discard(value):
     """check_rows keeps nothing of a check's result."""
+
+
+def _panic_named(encode, row, where):
+    """encode(row, where=where), a Rust library's panic in it one line naming the row: a crafted
+    tokenizer.json's pre-tokenizer regex that Oniguruma gives up on ("retry-limit-in-match
+    over") panics inside tokenizers, and pyo3 raises PanicException, a BaseException that no
+    `except Exception` takes: a Rust backtrace and a traceback from every rank."""
+    try:
+        return encode(row, where=where)
+    except BaseException as e:
+        if type(e).__name__ != "PanicException":
+            raise
+        raise SystemExit(f"error: {where}: the tokenizer fails on this row ({e!s:.200})") from None
 
 
 def _run_share(rows, call, keep, verb):
@@ -2146,12 +2160,26 @@ def attention_implementation(path, choice, flag="--model"):
     """transformers' attn_implementation for the model at `path`: `choice`, or for 'auto' eager
     where the family needs it, else transformers' default (SDPA). Gemma 2 soft-caps its attention
     logits; SDPA drops the soft-capping while vLLM applies it (7e-3 to 2.3e-2 logprob apart)."""
+    if choice == "flex_attention" and not torch.cuda.is_available():
+        raise SystemExit(
+            "error: --attn_implementation flex_attention: PyTorch's FlexAttention has no "
+            "backward on the CPU; expected eager or sdpa here"
+        )
     if choice != "auto":
         return choice
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise SystemExit(load_error(path, e, flag))
+    # config.json's own "attn_implementation" (transformers reads it; save_pretrained never
+    # writes it): flex_attention was a traceback at the first backward on the CPU, and a Hub
+    # kernel's name ("kernels-community/...") makes transformers fetch and run that kernel
+    own = getattr(config, "_attn_implementation", None)
+    if own not in (None, "eager", "sdpa"):
+        raise SystemExit(
+            f"error: {flag} {path}: config.json: attn_implementation {own!r:.80}; remove it, "
+            "or choose one with --attn_implementation"
+        )
     if getattr(config, "attn_logit_softcapping", None):
         return "eager"
     return None
@@ -2781,13 +2809,27 @@ def check_all_used(path, unexpected, model, flag="--model"):
     expected: a vision tower beside the language model that trains (Llama 3.2 Vision's
     `vision_model.*` under `MllamaForCausalLM`), a causal LM's head under a classifier."""
     own = {any_layer(name) for name, _ in model.named_parameters()}
-    unused = [k for k in unexpected if any_layer(k) in own]
+    unused = [k for k in unexpected if any_layer(k) in own or in_own_blocks(model, k)]
     if unused:
         shown = ", ".join(sorted(unused)[:3])
         raise SystemExit(
             f"error: {flag} {path}: the model its config.json describes leaves weights of the "
             f"folder unused: {shown} ({len(unused)} in all); does config.json belong to them?"
         )
+
+
+def in_own_blocks(model, name):
+    """Whether `name` is a weight of a block in one of the model's own ModuleLists, though the
+    list holds no block like it: num_hidden_layers 0 over a 4-layer folder made an empty
+    `model.layers`, so no parameter of the model was named like the folder's layers, and a model
+    of no layers trained, exit status 0."""
+    found = re.match(r"(.+?)\.\d+\.", name)
+    if found is None:
+        return False
+    try:
+        return isinstance(model.get_submodule(found.group(1)), torch.nn.ModuleList)
+    except AttributeError:
+        return False
 
 
 def any_layer(name):

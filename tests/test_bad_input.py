@@ -930,6 +930,25 @@ def an_unused_weight(tensors):
             "model.layers.9.mlp.up_proj.weight (1 in all)",
         ),
         (
+            # an empty model.layers: no weight of the model was named like the folder's layers,
+            # and a model of no layers trained (`common.in_own_blocks`)
+            edit_json("config.json", {"num_hidden_layers": 0}),
+            "the model its config.json describes leaves weights of the folder unused: "
+            "model.layers.0.input_layernorm.weight",
+        ),
+        (
+            # transformers honours the key (save_pretrained never writes it): FlexAttention has
+            # no backward on the CPU, a traceback at the first step
+            edit_json("config.json", {"attn_implementation": "flex_attention"}),
+            "config.json: attn_implementation 'flex_attention'; remove it, or choose one with "
+            "--attn_implementation",
+        ),
+        (
+            # a Hub kernel's name: transformers would fetch that code and run it
+            edit_json("config.json", {"attn_implementation": "kernels-community/flash-attn3"}),
+            "config.json: attn_implementation 'kernels-community/flash-attn3'",
+        ),
+        (
             edit_json("tokenizer_config.json", {"model_max_length": "abc"}),
             "tokenizer_config.json: model_max_length 'abc', expected a number",
         ),
@@ -998,6 +1017,9 @@ def an_unused_weight(tensors):
         "a-nan-weight",
         "a-weight-stored-as-int32",
         "an-unused-weight",
+        "no-layers",
+        "attention-flex-in-config",
+        "attention-a-hub-kernel-in-config",
         "model-max-length-text",
         "zero-heads",
         "generation-config-a-list",

@@ -346,6 +346,95 @@ def test_a_dcp_index_entry_not_as_dcp_writes_it_fails_verification(tmp_path, cra
         checkpoint.verify(str(tmp_path))
 
 
+def half_a_chunk(entry):
+    entry.chunks[0].sizes = torch.Size([2])
+    return entry
+
+
+def no_chunks(entry):
+    entry.chunks = []
+    return entry
+
+
+def a_chunk_beyond_the_size(entry):
+    entry.chunks[0].offsets = torch.Size([2])
+    return entry
+
+
+def two_chunks_overlapping(entry):
+    first = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([2]))
+    second = ChunkStorageMetadata(offsets=torch.Size([1]), sizes=torch.Size([2]))
+    entry.chunks = [first, second]
+    return entry
+
+
+@pytest.mark.parametrize(
+    "craft", [half_a_chunk, no_chunks, a_chunk_beyond_the_size, two_chunks_overlapping]
+)
+def test_chunks_that_do_not_cover_a_tensor_once_fail_verification(tmp_path, craft):
+    """DCP fills only what a tensor's chunks cover: where they left a gap, an export wrote the
+    uninitialised memory of its empty tensor (and a resume kept the --model weights there), exit
+    status 0. (`checkpoint._chunks_tile`.) Overlapping chunks that add up to the tensor's size
+    leave a gap too."""
+    write_small_checkpoint(tmp_path)
+    path = tmp_path / "dcp" / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    metadata.state_dict_metadata["t"] = craft(metadata.state_dict_metadata["t"])
+    path.write_bytes(pickle.dumps(metadata))
+    remanifest(tmp_path)
+    needle = "dcp/.metadata: entry 't': its chunks do not cover its shape \\(4,\\) exactly once"
+    with pytest.raises(checkpoint.CheckpointError, match=needle):
+        checkpoint.verify(str(tmp_path))
+
+
+def test_a_chunk_without_a_storage_entry_fails_verification(tmp_path):
+    """DCP's own failure was a KeyError naming a MetadataIndex, not the checkpoint."""
+    write_small_checkpoint(tmp_path)
+    path = tmp_path / "dcp" / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    metadata.storage_data.clear()
+    path.write_bytes(pickle.dumps(metadata))
+    remanifest(tmp_path)
+    with pytest.raises(checkpoint.CheckpointError, match="entry 't' has no storage entry"):
+        checkpoint.verify(str(tmp_path))
+
+
+def test_tuples_nested_a_million_deep_are_refused_not_a_crash(tmp_path):
+    """A dict keyed by a tuple nested 1,000,000 deep (1 MB of TUPLE1 opcodes, no global at all):
+    CPython hashes it recursively in C with no recursion check, and verify, export and resume
+    died of SIGSEGV, no line and no fallback to an older checkpoint."""
+    write_small_checkpoint(tmp_path)
+    deep = b"\x80\x02}" + b")" + b"\x85" * 1_000_000 + b"Ns."
+    (tmp_path / "dcp" / ".metadata").write_bytes(deep)
+    remanifest(tmp_path)
+    with pytest.raises(checkpoint.CheckpointError, match="tuples nested over 32 deep"):
+        checkpoint.verify(str(tmp_path))
+
+
+def test_a_compressed_record_is_refused_before_it_is_inflated(tmp_path):
+    """torch.save stores its records as they are; torch.load inflates deflated ones, so a
+    crafted storage range of 1 MB allocated 1 GB. The range here is the tensor's own record,
+    deflated and appended to the shard: refused before DCP reads it
+    (`checkpoint._check_uncompressed`, for this rank's reads)."""
+    import zipfile
+
+    folder, md = dcp_folder(tmp_path)
+    info = next(iter(md.storage_data.values()))
+    shard = folder / info.relative_path
+    record = shard.read_bytes()[info.offset : info.offset + info.length]
+    deflated = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(record)) as src:
+        with zipfile.ZipFile(deflated, "w", zipfile.ZIP_DEFLATED) as dst:
+            for name in src.namelist():
+                dst.writestr(name, src.read(name))
+    end = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(deflated.getvalue())
+    craft(folder, md, offset=end, length=len(deflated.getvalue()))
+    with pytest.raises(checkpoint.CheckpointError, match="is compressed"):
+        load_t(folder)
+
+
 @pytest.mark.parametrize("name", ["meta.json", "manifest.json"])
 def test_deeply_nested_json_is_one_line(tmp_path, name):
     write_small_checkpoint(tmp_path)

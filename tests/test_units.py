@@ -160,6 +160,29 @@ def test_ranks_encode_shares_of_the_rows_and_all_get_every_row(tmp_path):
     assert "encode_rows: ok" in p.stdout
 
 
+def test_a_tokenizer_that_panics_on_a_row_is_one_line_naming_it():
+    """A crafted tokenizer.json's pre-tokenizer regex that Oniguruma gives up on panics inside
+    the Rust tokenizers library; pyo3 raises PanicException, a BaseException no `except
+    Exception` takes: a traceback from every rank. One line naming the row now (Rust's own
+    panic message still goes to stderr before it)."""
+    from tokenizers import Regex
+    from tokenizers import Tokenizer
+    from tokenizers import models
+    from tokenizers import pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "1": 1}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(1|1)*y"), behavior="isolated")
+
+    def encode(row, where):
+        return tok.encode(row).ids
+
+    assert common.encode_rows([("data.jsonl:3", "1+1=")], encode)[0] == [0]  # one word, unknown
+    with pytest.raises(SystemExit) as exit_info:
+        common.encode_rows([("data.jsonl:4", "1" * 26 + "xy=")], encode)
+    line = exit_info.value.code
+    assert line.startswith("error: data.jsonl:4: the tokenizer fails on this row (Onig"), line
+
+
 def test_encode_appends_eos_and_rejects_overlong():
     from transformers import AutoTokenizer
 
