@@ -1799,6 +1799,7 @@ def check_rows(rows, check):
     contiguous share, as `encode_rows` encodes them; the data's first row that fails is named on
     every rank. For a check that costs what encoding does (a dialogue's length in tokens:
     `check_dialogue_length`), which every rank would otherwise run on every row."""
+    check = functools.partial(_panic_named, check)  # it tokenizes, as encoding does
     if not dist.is_initialized() or dist.get_world_size() == 1:
         for where, row in rows:
             check(row, where=where)
@@ -2173,13 +2174,17 @@ def attention_implementation(path, choice, flag="--model"):
         raise SystemExit(load_error(path, e, flag))
     # config.json's own "attn_implementation" (transformers reads it; save_pretrained never
     # writes it): flex_attention was a traceback at the first backward on the CPU, and a Hub
-    # kernel's name ("kernels-community/...") makes transformers fetch and run that kernel
-    own = getattr(config, "_attn_implementation", None)
-    if own not in (None, "eager", "sdpa"):
-        raise SystemExit(
-            f"error: {flag} {path}: config.json: attn_implementation {own!r:.80}; remove it, "
-            "or choose one with --attn_implementation"
-        )
+    # kernel's name ("kernels-community/...") makes transformers fetch and run that kernel,
+    # code the user never asked for. transformers' own kernels on a GPU stay allowed.
+    allowed = {None, "eager", "sdpa"}
+    if torch.cuda.is_available():
+        allowed |= {"flash_attention_2", "flash_attention_3", "flex_attention"}
+    for own in config_attentions(config):
+        if own not in allowed:
+            raise SystemExit(
+                f"error: {flag} {path}: config.json: attn_implementation {own!r:.80}; remove "
+                "it, or choose one with --attn_implementation"
+            )
     if getattr(config, "attn_logit_softcapping", None):
         return "eager"
     return None
@@ -2801,6 +2806,17 @@ def check_all_loaded(path, missing, new_head, flag="--model"):
     return any(k.startswith(CLASSIFIER_HEADS) for k in missing)
 
 
+def config_attentions(config):
+    """The attn_implementation of a config and of each of its sub-configs: config.json's
+    `{"text_config": "..."}` form sets a wrapper's text model's alone."""
+    found = [getattr(config, "_attn_implementation", None)]
+    for key in getattr(config, "sub_configs", {}):
+        sub = getattr(config, key, None)
+        if sub is not None:
+            found += config_attentions(sub)
+    return found
+
+
 def check_all_used(path, unexpected, model, flag="--model"):
     """One line if the folder holds weights of the model's own kind that the model leaves unused
     (transformers drops them with a log line the quiet console hides): a config.json saying 2
@@ -2823,13 +2839,16 @@ def in_own_blocks(model, name):
     list holds no block like it: num_hidden_layers 0 over a 4-layer folder made an empty
     `model.layers`, so no parameter of the model was named like the folder's layers, and a model
     of no layers trained, exit status 0."""
-    found = re.match(r"(.+?)\.\d+\.", name)
+    found = re.match(r"(.+?)\.(\d+)\.", name)
     if found is None:
         return False
     try:
-        return isinstance(model.get_submodule(found.group(1)), torch.nn.ModuleList)
+        blocks = model.get_submodule(found.group(1))
     except AttributeError:
         return False
+    # a block the list lacks: within it, a name of no parameter is an old buffer transformers
+    # no longer keeps (GPT-2's `attn.masked_bias`, GPT-J's and GPT-Neo's `attn.bias`), unused
+    return isinstance(blocks, torch.nn.ModuleList) and int(found.group(2)) >= len(blocks)
 
 
 def any_layer(name):

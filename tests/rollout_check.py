@@ -125,12 +125,13 @@ def main(path):
     boosted = stop_ids[-1]
     if isinstance(generation_config.eos_token_id, list):  # the folder's own, not our reading of it
         boosted = generation_config.eos_token_id[-1]
-    # The stop's row becomes 20x the row of the token greedy decoding picks most often now: its
-    # logit is then 20x a logit that wins somewhere (on the rank holding that row: each rank
-    # counts its own prompts). (Scaling the stop's own row raises nothing
-    # where its logit is negative: a tiny Gemma 3 answered 6, 6, 6, ... at every position.)
-    counts = collections.Counter(t for ids in g_vl.response_ids for t in ids)
-    top = counts.most_common(1)[0][0]
+    # The stop's row becomes 20x the row of the token greedy decoding picks most often now, over
+    # every rank's prompts: its logit is then 20x a logit that wins somewhere. (Scaling the stop's
+    # own row raises nothing where its logit is negative: a tiny Gemma 3 answered 6, 6, 6, ...)
+    counts = [None] * world
+    # every rank's counts: the rank holding the stop's row picks the token all ranks would
+    dist.all_gather_object(counts, collections.Counter(t for g in g_vl.response_ids for t in g))
+    top = sum(counts, collections.Counter()).most_common(1)[0][0]
     with torch.no_grad():
         head = actor.get_output_embeddings().weight  # with a tied head: the embedding too
         row = head.full_tensor()[top] * 20.0  # collective: every rank gathers the whole head

@@ -711,6 +711,46 @@ def test_reward_model_of_a_multimodal_wrapper(tmp_path):
     assert torch.allclose(batch, torch.stack(alone), atol=1e-5), (batch, alone)
 
 
+def test_a_flex_attention_in_a_wrappers_text_config_is_refused(tmp_path):
+    """config.json's {"attn_implementation": {"text_config": ...}} sets a multimodal wrapper's text
+    model's attention alone, which transformers honours: the top-level check saw None. Every
+    sub-config is checked (`common.config_attentions`)."""
+    import common
+
+    base = str(tmp_path / "qwen3_5")
+    build_qwen3_5(base)
+    config = json.load(open(os.path.join(base, "config.json")))
+    config["attn_implementation"] = {"text_config": "flex_attention"}
+    json.dump(config, open(os.path.join(base, "config.json"), "w"))
+    with pytest.raises(SystemExit, match="config.json: attn_implementation 'flex_attention'"):
+        common.attention_implementation(base, "auto")
+
+
+def test_old_attention_buffers_in_a_gpt2_folder_load(tmp_path):
+    """GPT-2 fine-tunes saved by transformers 2.x to 4.x carry each block's `attn.masked_bias`
+    and `attn.bias` buffers, which transformers 5 leaves unused: not weights a smaller config
+    dropped (`common.in_own_blocks` counts only blocks the model lacks), so they load, while a
+    block beyond the config's layers is still refused."""
+    from safetensors.torch import load_file
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    import common
+
+    base = str(tmp_path / "gpt2")
+    build_gpt2(base)
+    weights = os.path.join(base, "model.safetensors")
+    tensors = load_file(weights)
+    tensors["transformer.h.0.attn.masked_bias"] = torch.tensor(-1e4)
+    tensors["transformer.h.0.attn.bias"] = torch.ones(1, 1, 8, 8)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    common.load_model_and_tokenizer(base, AutoModelForCausalLM)
+    tensors["transformer.h.9.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(SystemExit, match="leaves weights of the folder unused"):
+        common.load_model_and_tokenizer(base, AutoModelForCausalLM)
+
+
 def test_qwen2_engines_stop_at_its_second_eos_id(tmp_path):
     """rollout_check on Qwen2-Instruct's shape (two EOS ids in its generation config, a tied
     head, ChatML): with the second id made likely, both engines stop there and say `finished`
