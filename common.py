@@ -1817,13 +1817,14 @@ def _discard(value):
     """check_rows keeps nothing of a check's result."""
 
 
-def _panic_named(encode, row, where):
-    """encode(row, where=where), a Rust library's panic in it one line naming the row: a crafted
-    tokenizer.json's pre-tokenizer regex that Oniguruma gives up on ("retry-limit-in-match
-    over") panics inside tokenizers, and pyo3 raises PanicException, a BaseException that no
-    `except Exception` takes: a Rust backtrace and a traceback from every rank."""
+def _panic_named(call, row, where):
+    """call(row, where=where) (an encoding or a check that tokenizes), a Rust library's panic in
+    it one line naming the row: a crafted tokenizer.json's pre-tokenizer regex that Oniguruma
+    gives up on ("retry-limit-in-match over") panics inside tokenizers, and pyo3 raises
+    PanicException, a BaseException that no `except Exception` takes: a Rust backtrace and a
+    traceback from every rank."""
     try:
-        return encode(row, where=where)
+        return call(row, where=where)
     except BaseException as e:
         if type(e).__name__ != "PanicException":
             raise
@@ -2835,8 +2836,8 @@ def check_all_used(path, unexpected, model, flag="--model"):
 
 
 def in_own_blocks(model, name):
-    """Whether `name` is a weight of a block in one of the model's own ModuleLists, though the
-    list holds no block like it: num_hidden_layers 0 over a 4-layer folder made an empty
+    """Whether `name` is a weight of a block one of the model's own ModuleLists lacks (its index
+    past the list's end): num_hidden_layers 0 over a 4-layer folder made an empty
     `model.layers`, so no parameter of the model was named like the folder's layers, and a model
     of no layers trained, exit status 0."""
     found = re.match(r"(.+?)\.(\d+)\.", name)
