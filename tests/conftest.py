@@ -379,3 +379,11 @@ THINKING_TEMPLATE = (
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think></think>' }}"
     "{%- endif %}{%- endif %}"
 )
+
+
+def right_padded(seqs, pad_id):
+    """(input_ids, attention_mask) of token-id lists padded on the right to the longest."""
+    width = max(len(s) for s in seqs)
+    input_ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
+    attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    return input_ids, attention_mask

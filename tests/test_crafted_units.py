@@ -314,6 +314,26 @@ def test_a_malformed_dcp_metadata_is_one_line_and_fails_verification(tmp_path, d
     assert_cli_refuses(tmp_path, "dcp/.metadata: ")
 
 
+def edit_small_index(tmp_path, edit):
+    """A small checkpoint (conftest.write_small_checkpoint) whose dcp/.metadata `edit` changed in
+    place, its manifest rewritten to match."""
+    write_small_checkpoint(tmp_path)
+    path = tmp_path / "dcp" / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    edit(metadata)
+    path.write_bytes(pickle.dumps(metadata))
+    remanifest(tmp_path)
+
+
+def craft_small_entry(tmp_path, craft):
+    """edit_small_index, its tensor 't''s index entry replaced by craft(entry)."""
+
+    def edit(metadata):
+        metadata.state_dict_metadata["t"] = craft(metadata.state_dict_metadata["t"])
+
+    edit_small_index(tmp_path, edit)
+
+
 def no_build(entry):
     """The entry as a pickle can make it: the class's object with no BUILD, no attributes."""
     return type(entry).__new__(type(entry))
@@ -335,12 +355,7 @@ def test_a_dcp_index_entry_not_as_dcp_writes_it_fails_verification(tmp_path, cra
     or built with values of other types, passed verify() and failed in DCP's planner with an
     AttributeError traceback, which --resume latest did not pass over. One line now
     (`checkpoint._check_entries`), at verify."""
-    write_small_checkpoint(tmp_path)
-    path = tmp_path / "dcp" / ".metadata"
-    metadata = pickle.loads(path.read_bytes())
-    metadata.state_dict_metadata["t"] = craft(metadata.state_dict_metadata["t"])
-    path.write_bytes(pickle.dumps(metadata))
-    remanifest(tmp_path)
+    craft_small_entry(tmp_path, craft)
     needle = "dcp/.metadata: entry 't' is not what DCP writes for a tensor or bytes"
     with pytest.raises(checkpoint.CheckpointError, match=needle):
         checkpoint.verify(str(tmp_path))
@@ -376,12 +391,7 @@ def test_chunks_that_do_not_cover_a_tensor_once_fail_verification(tmp_path, craf
     uninitialised memory of its empty tensor (and a resume kept the --model weights there), exit
     status 0. (`checkpoint._chunks_tile`.) Overlapping chunks that add up to the tensor's size
     leave a gap too."""
-    write_small_checkpoint(tmp_path)
-    path = tmp_path / "dcp" / ".metadata"
-    metadata = pickle.loads(path.read_bytes())
-    metadata.state_dict_metadata["t"] = craft(metadata.state_dict_metadata["t"])
-    path.write_bytes(pickle.dumps(metadata))
-    remanifest(tmp_path)
+    craft_small_entry(tmp_path, craft)
     needle = "dcp/.metadata: entry 't': its chunks do not cover its shape \\(4,\\) exactly once"
     with pytest.raises(checkpoint.CheckpointError, match=needle):
         checkpoint.verify(str(tmp_path))
@@ -389,12 +399,7 @@ def test_chunks_that_do_not_cover_a_tensor_once_fail_verification(tmp_path, craf
 
 def test_a_chunk_without_a_storage_entry_fails_verification(tmp_path):
     """DCP's own failure was a KeyError naming a MetadataIndex, not the checkpoint."""
-    write_small_checkpoint(tmp_path)
-    path = tmp_path / "dcp" / ".metadata"
-    metadata = pickle.loads(path.read_bytes())
-    metadata.storage_data.clear()
-    path.write_bytes(pickle.dumps(metadata))
-    remanifest(tmp_path)
+    edit_small_index(tmp_path, lambda metadata: metadata.storage_data.clear())
     with pytest.raises(checkpoint.CheckpointError, match="entry 't' has no storage entry"):
         checkpoint.verify(str(tmp_path))
 

@@ -26,6 +26,7 @@ import task
 from conftest import assert_same_tensors
 from conftest import latest
 from conftest import metrics
+from conftest import right_padded
 from conftest import run
 from conftest import run_py
 
@@ -702,9 +703,7 @@ def test_reward_model_of_a_multimodal_wrapper(tmp_path):
     tok = AutoTokenizer.from_pretrained(hf)
     assert model.config.get_text_config().pad_token_id == tok.pad_token_id != tok.eos_token_id
     seqs = train_ppo.reward_model_inputs(tok, ["37+45=", "1+1="], ["82", "3"], [True, False])
-    width = max(len(s) for s in seqs)
-    input_ids = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in seqs])
-    attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    input_ids, attention_mask = right_padded(seqs, tok.pad_token_id)
     with torch.no_grad():
         batch = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0]
         alone = [model(input_ids=torch.tensor([s])).logits[0, 0] for s in seqs]

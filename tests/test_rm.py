@@ -13,6 +13,7 @@ import task
 from conftest import assert_same_tensors
 from conftest import latest
 from conftest import metrics
+from conftest import right_padded
 from conftest import run
 from conftest import write_dead_rows
 
@@ -101,9 +102,7 @@ def test_rm_export_loads_in_plain_transformers(straight):
     assert config["reward_std"] == last["train/reward_std"]
     # transformers' own pooling (PAD != EOS here) and PPO's last-token read agree
     seqs = train_ppo.reward_model_inputs(tok, ["37+45=", "1+1="], ["82", "3"], [True, True])
-    width = max(len(s) for s in seqs)
-    input_ids = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in seqs])
-    attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    input_ids, attention_mask = right_padded(seqs, tok.pad_token_id)
     with torch.no_grad():
         theirs = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0]
     import torch.distributed as dist
