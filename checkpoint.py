@@ -284,7 +284,9 @@ def _check_storage(metadata, folder, sizes=None):
 
 
 class _Window(io.RawIOBase):
-    """Bytes offset..offset+length of an open file, as a file of its own (for zipfile)."""
+    """Bytes offset..offset+length of an open file, as a file of its own (for zipfile). Not DCP's
+    own view of a range (`_create_file_view`): its seek from the end counts backwards (zipfile's
+    seek(-22, 2) lands 22 bytes past the range) and a relative seek is not kept within it."""
 
     def __init__(self, f, offset, length):
         self.f = f
