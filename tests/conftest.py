@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -223,6 +224,34 @@ def assert_same_tensors(a, b):
     assert any(".optim.state." in k for k in ta), "optimizer state missing from the checkpoint"
     bad = [k for k in ta if not torch.equal(ta[k], tb[k])]
     assert not bad, f"{len(bad)} tensors differ, e.g. {bad[:3]}"
+
+
+def kill_twice(script, args, out, latest_sleep, seed):
+    """SIGKILL a run of `script args` (which resumes: --resume latest, --save_every 1,
+    --async_save true) and its whole tree twice, each time a fresh start: once at a random moment
+    up to `latest_sleep` s after two rows are logged, once while an asynchronous save of its own is
+    being written. Returns the moments (attempt, rows logged, checkpoint folder's names), to say
+    where a failure began; the caller resumes once more and compares with an uninterrupted run."""
+    root = os.path.join(out, "checkpoints")
+    rng = random.Random(seed)
+    moments = []
+    for attempt in range(2):
+        stale = set(os.listdir(root)) if os.path.isdir(root) else set()
+
+        def saving():  # a committed checkpoint, and a save of this start's under way
+            names = set(os.listdir(root)) if os.path.isdir(root) else set()
+            return "latest" in names and any(n.startswith(".tmp-") for n in names - stale)
+
+        proc = popen_torchrun(script, *args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        if attempt == 0:  # two rows (PPO: step 0's evaluation and step 1); then anywhere
+            wait_for(lambda: logged_steps(out) >= 2, proc)
+            time.sleep(rng.uniform(0, latest_sleep))
+        else:
+            wait_for(saving, proc)
+        moments.append((attempt, logged_steps(out), sorted(os.listdir(root))))
+        assert kill_tree(proc.pid) == -9, moments  # it landed: the run had not ended
+        proc.wait()
+    return moments
 
 
 def write_dead_rows(out_dir, steps):

@@ -3,10 +3,8 @@ it trains, and it resumes exactly."""
 
 import json
 import os
-import random
 import signal
 import subprocess
-import time
 
 import pytest
 import torch
@@ -18,7 +16,7 @@ import task
 from conftest import PY
 from conftest import REPO
 from conftest import assert_same_tensors
-from conftest import kill_tree
+from conftest import kill_twice
 from conftest import latest
 from conftest import logged_steps
 from conftest import metrics
@@ -337,27 +335,7 @@ def test_sigkills_mid_ppo_then_resume_is_exact(tmp_path, straight, sft_model):
     out = str(tmp_path)
     root = os.path.join(out, "checkpoints")
     args = ppo(out, sft_model, "--async_save", "true", "--save_every", 1, "--resume", "latest")
-    rng = random.Random(3)
-
-    moments = []
-    for attempt in range(2):
-        stale = set(os.listdir(root)) if os.path.isdir(root) else set()
-
-        def saving():  # a committed checkpoint, and a save of this run's under way
-            names = set(os.listdir(root))
-            return "latest" in names and any(n.startswith(".tmp-") for n in names - stale)
-
-        proc = popen_torchrun(
-            "train_ppo.py", *args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
-        )
-        if attempt == 0:  # two rows: step 0's evaluation and step 1; then anywhere
-            wait_for(lambda: logged_steps(out) >= 2, proc)
-            time.sleep(rng.uniform(0, 1.0))
-        else:
-            wait_for(saving, proc)
-        moments.append((attempt, logged_steps(out), sorted(os.listdir(root))))
-        assert kill_tree(proc.pid) == -9, moments  # it landed: the run had not ended
-        proc.wait()
+    moments = kill_twice("train_ppo.py", args, out, latest_sleep=1.0, seed=3)
     p = run("train_ppo.py", *args)
     assert "resumed from" in p.stdout + p.stderr, moments
     assert_same_tensors(latest(straight), latest(out))

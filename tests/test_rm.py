@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 import task
 from conftest import assert_same_tensors
+from conftest import kill_twice
 from conftest import latest
 from conftest import metrics
 from conftest import right_padded
@@ -52,6 +53,27 @@ def test_rm_resume_is_bitwise_exact(tmp_path, straight):
     a = load_file(os.path.join(straight, "hf", "model.safetensors"))
     b = load_file(os.path.join(out, "hf", "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_rm_sigkills_then_resume_is_exact(tmp_path, straight):
+    """The issue's "kill, --resume latest, every tensor equal": SIGKILL the whole tree at a random
+    moment of a step and while an asynchronous save is written; the resumed run ends in the
+    straight run's weights, optimizer state, metrics (the normalisation statistics of each save
+    among them) and export."""
+    out = str(tmp_path)
+    args = rm(out, "--async_save", "true", "--save_every", 1, "--resume", "latest")
+    moments = kill_twice("train_rm.py", args, out, latest_sleep=0.3, seed=4)
+    p = run("train_rm.py", *args)
+    assert "resumed from" in p.stdout + p.stderr, moments
+    assert_same_tensors(latest(straight), latest(out))
+    assert metrics(straight) == metrics(out), moments
+    a = load_file(os.path.join(straight, "hf", "model.safetensors"))
+    b = load_file(os.path.join(out, "hf", "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    config = json.load(open(os.path.join(out, "hf", "config.json")))
+    straight_config = json.load(open(os.path.join(straight, "hf", "config.json")))
+    assert config["reward_mean"] == straight_config["reward_mean"]
+    assert config["reward_std"] == straight_config["reward_std"]
 
 
 def test_rm_logs_its_metrics(straight):
