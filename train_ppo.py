@@ -265,7 +265,10 @@ def kl_k3(logprobs, ref_logprobs, mask):
     variance while the two policies are close. Unbiased for the KL's value only: its gradient is
     not the KL's (Tang and Munos 2025; Liu et al. 2025, arXiv 2510.01555): as a reward it is
     biased, and as GRPO's loss (`kl_loss`) it pulls, on-policy, by the gradient of
-    KL(pi_ref || pi), the other direction. All [B, R]."""
+    KL(pi_ref || pi), the other direction. Not clamped, as TRL's: OpenRLHF clamps each token's
+    estimate to [-10, 10] and verl its log r to [-20, 20] and the estimate to [-10, 10], so a
+    sampled token pi_ref likes far more (log r = 15: k3 = 3.3e6, k1 = -15) is penalised here
+    by far more than there. All [B, R]."""
     # Masked before exp: at padding columns logprobs can be very negative, exp overflows to inf,
     # and inf * 0 is NaN.
     log_ratio = (ref_logprobs - logprobs) * mask
@@ -361,8 +364,10 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, n_tokens, c
     """Clipped surrogate (Schulman et al. 2017, eq. 7), as a loss: the mean over tokens of
         max(-A ratio, -A clip(ratio, 1 - eps_low, 1 + eps_high)),
     eps_low = cliprange, eps_high = cliprange_high (DAPO's clip-higher, Yu et al. 2025, eq. 10;
-    by default the same as eps_low, Schulman's symmetric clip). All [B, R]; n_tokens: the global
-    token count. Returns (pg_loss, clipfrac, approxkl, ratio)."""
+    by default the same as eps_low, Schulman's symmetric clip). As TRL's: neither OpenRLHF's and
+    verl's clamp of log ratio to [-20, 20] nor verl's default dual clip (Ye et al. 2020: a loss
+    of at most -3 A where A < 0). All [B, R]; n_tokens: the global token count. Returns
+    (pg_loss, clipfrac, approxkl, ratio)."""
     if cliprange_high is None:
         cliprange_high = cliprange
     ratio = torch.exp(logprobs - old_logprobs)  # [B, R]
@@ -1446,7 +1451,9 @@ def ppo_loss(args, models, exp, rows, n_tokens, kl_coef, fill_old):
     averages each response's tokens first, (1/G) sum_i (1/|o_i|) sum_t, which weighs a token of a
     short response more (Liu et al. 2025, "Dr. GRPO"); the token mean is DAPO's (Yu et al. 2025)
     and TRL's default. Actor and critic are separate networks, so one backward of the sum sends
-    each term's gradient to its own parameters.
+    each term's gradient to its own parameters; hence no vf_coef (TRL's 0.1, one optimizer and one
+    gradient-norm clip over both): --critic_lr sets the critic's step, and each model's gradient
+    norm is clipped on its own (`optimizer_step`), as OpenRLHF's and verl's separate critics.
     Returns (loss, stats, ratio [b, R])."""
     batch = exp.batch.select(rows)
     mask = batch.response_mask  # [b, R]
