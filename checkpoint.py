@@ -332,10 +332,15 @@ def _check_uncompressed(f, info, where):
     except (zipfile.BadZipFile, ValueError, EOFError) as e:
         raise CheckpointError(f"{where}: not a torch.save record ({e})") from None
     for r in records:
-        if r.compress_type != zipfile.ZIP_STORED or r.file_size > info.length:
+        if r.compress_type != zipfile.ZIP_STORED:
             raise CheckpointError(
                 f"{where}: record {r.filename!r:.80} is compressed ({r.compress_size} bytes "
                 f"inflating to {r.file_size}); torch.save stores records as they are"
+            )
+        if r.file_size > info.length:
+            raise CheckpointError(
+                f"{where}: record {r.filename!r:.80} claims {r.file_size} bytes, more than its "
+                f"range's {info.length}"
             )
     # torch.save's records lie side by side; a crafted directory listing one record's bytes
     # under many names made torch.load allocate each (1.1 MB: 400 MB, and more with more names)

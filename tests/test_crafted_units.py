@@ -434,6 +434,20 @@ def test_a_zip_listing_one_records_bytes_under_two_names_is_refused():
         checkpoint._check_uncompressed(blob, info, "r")
 
 
+def test_a_stored_record_larger_than_its_range_is_named_as_such():
+    """A stored (not deflated) record whose directory claims more bytes than its range holds:
+    refused with its own words, not as a compressed one."""
+    import zipfile
+
+    blob = io.BytesIO()
+    with zipfile.ZipFile(blob, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data/0", bytes(1000))
+        z.getinfo("archive/data/0").file_size = 10**9  # written into the central directory
+    info = SimpleNamespace(offset=0, length=len(blob.getvalue()))
+    with pytest.raises(checkpoint.CheckpointError, match="claims 1000000000 bytes, more than"):
+        checkpoint._check_uncompressed(blob, info, "r")
+
+
 def box(offsets, sizes):
     return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
 
