@@ -230,8 +230,8 @@ class _SafeReader(dcp.FileSystemReader):
     def prepare_local_plan(self, plan):
         """Before this rank reads: each byte range it will torch.load holds only records stored
         as they are (`_check_uncompressed`). Here, not in `_check_storage`: a rank opens the
-        ranges it reads, not every rank's of every file. (A store's ranges are not checked: a
-        ranged GET each.)"""
+        ranges it reads, not every rank's of every file. (A store's ranges:
+        `_SafeStoreReader._slice_file`.)"""
         for path, infos in _ranges_by_file(plan, self.storage_data).items():
             with open_regular(os.path.join(self.path, path), "rb") as f:
                 for fqn, info in infos:
@@ -494,6 +494,13 @@ class _SafeStoreReader(FsspecReader):
             _check_storage(metadata, self.path, self.sizes)
             self.metadata = metadata
         return self.metadata
+
+    def _slice_file(self, file, sinfo):
+        """DCP's view of one range, which it hands to torch.load, once its records are checked
+        (`_check_uncompressed`, as _SafeReader's plan): here, as DCP slices it, since `file` is
+        the object `_WholeObjectStreams` fetched whole, and the check costs no GET more."""
+        _check_uncompressed(file, sinfo, f"{self.path}/{sinfo.relative_path} at {sinfo.offset}")
+        return super()._slice_file(file, sinfo)
 
 
 class _WholeObjectStreams(FsspecFileSystem):

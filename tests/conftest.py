@@ -1,7 +1,9 @@
 """Helpers for the tests: run the real scripts under the real torchrun, read checkpoints back."""
 
+import io
 import json
 import os
+import pickle
 import random
 import shutil
 import subprocess
@@ -9,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+import zipfile
 
 import psutil
 import pytest
@@ -252,6 +255,31 @@ def kill_twice(script, args, out, latest_sleep, seed):
         assert kill_tree(proc.pid) == -9, moments  # it landed: the run had not ended
         proc.wait()
     return moments
+
+
+def dcp_folder(tmp_path):
+    """A real one-process DCP checkpoint of one tensor in tmp_path/dcp; returns (folder, its
+    metadata). Its records carry their zip CRC32s (`deflated_copy` reads them with zipfile, which
+    checks them) even where this process has saved a checkpoint, which turns them off."""
+    folder = tmp_path / "dcp"
+    crc = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(True)
+    try:
+        dcp.save({"t": torch.arange(1000.0)}, checkpoint_id=str(folder), no_dist=True)
+    finally:
+        torch.serialization.set_crc32_options(crc)
+    md = pickle.loads((folder / ".metadata").read_bytes())  # our own file, just written
+    return folder, md
+
+
+def deflated_copy(record):
+    """A torch.save zip `record` (bytes) with every record deflated, as no torch.save writes it."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(record)) as src:
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+            for name in src.namelist():
+                dst.writestr(name, src.read(name))
+    return out.getvalue()
 
 
 def write_dead_rows(out_dir, steps):

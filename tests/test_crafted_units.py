@@ -14,6 +14,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import checkpoint
+from conftest import dcp_folder
+from conftest import deflated_copy
 from conftest import latest
 from conftest import rewrite_manifest
 from conftest import run_py
@@ -145,14 +147,6 @@ def test_build_may_set_only_a_dcp_class_own_fields():
     chunk.__dict__["__class__"] = "x"  # BUILD would set attributes DCP never sets
     with pytest.raises(checkpoint.CheckpointError, match="BUILD sets dict state"):
         checkpoint._SafeUnpickler(io.BytesIO(pickle.dumps(chunk))).load()
-
-
-def dcp_folder(tmp_path):
-    """A real one-process DCP checkpoint of one tensor; returns (folder, its metadata)."""
-    folder = tmp_path / "dcp"
-    dcp.save({"t": torch.arange(1000.0)}, checkpoint_id=str(folder), no_dist=True)
-    md = pickle.loads((folder / ".metadata").read_bytes())  # our own file, just written
-    return folder, md
 
 
 def craft(folder, md, **changes):
@@ -481,21 +475,15 @@ def test_a_compressed_record_is_refused_before_it_is_inflated(tmp_path):
     crafted storage range of 1 MB allocated 1 GB. The range here is the tensor's own record,
     deflated and appended to the shard: refused before DCP reads it
     (`checkpoint._check_uncompressed`, for this rank's reads)."""
-    import zipfile
 
     folder, md = dcp_folder(tmp_path)
     info = next(iter(md.storage_data.values()))
     shard = folder / info.relative_path
-    record = shard.read_bytes()[info.offset : info.offset + info.length]
-    deflated = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(record)) as src:
-        with zipfile.ZipFile(deflated, "w", zipfile.ZIP_DEFLATED) as dst:
-            for name in src.namelist():
-                dst.writestr(name, src.read(name))
+    deflated = deflated_copy(shard.read_bytes()[info.offset : info.offset + info.length])
     end = shard.stat().st_size
     with open(shard, "ab") as f:
-        f.write(deflated.getvalue())
-    craft(folder, md, offset=end, length=len(deflated.getvalue()))
+        f.write(deflated)
+    craft(folder, md, offset=end, length=len(deflated))
     with pytest.raises(checkpoint.CheckpointError, match="is compressed"):
         load_t(folder)
 

@@ -601,6 +601,35 @@ def test_crafted_metadata_on_the_store_reads_only_listed_objects(store, tmp_path
         checkpoint.dcp_load({"t": torch.zeros(1000)}, url, no_dist=True, sizes=sizes)
 
 
+def test_a_compressed_record_on_the_store_is_refused_before_it_is_inflated(store, tmp_path):
+    """The store's reader checks each range's records as the local one does
+    (`checkpoint._check_uncompressed`): a deflated copy of the tensor's record appended to its
+    object, the index pointing at it, is refused before torch.load inflates it."""
+    import pickle
+
+    import torch
+
+    import checkpoint
+    from conftest import dcp_folder
+    from conftest import deflated_copy
+
+    fs, _ = store
+    folder, md = dcp_folder(tmp_path)
+    index, info = next(iter(md.storage_data.items()))
+    shard = folder / info.relative_path
+    deflated = deflated_copy(shard.read_bytes()[info.offset : info.offset + info.length])
+    changes = {"offset": shard.stat().st_size, "length": len(deflated)}
+    md.storage_data[index] = type(info)(**{**info.__dict__, **changes})
+    with open(shard, "ab") as f:
+        f.write(deflated)
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    fs.put(str(folder) + "/", f"{BUCKET}/deflated/dcp/", recursive=True)
+    sizes = {p.name: p.stat().st_size for p in folder.iterdir()}
+    url = f"s3://{BUCKET}/deflated/dcp"
+    with pytest.raises(checkpoint.CheckpointError, match="is compressed"):
+        checkpoint.dcp_load({"t": torch.zeros(1000)}, url, no_dist=True, sizes=sizes)
+
+
 def test_an_export_into_a_checkpoint_on_the_store_is_refused(store, tmp_path):
     """An export to a store checked nothing: `export s3://.../step-4 s3://.../step-4/hf` uploaded
     into the checkpoint (which then failed verification, the fallback it was lost); so did one
