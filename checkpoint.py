@@ -1901,6 +1901,19 @@ def _lock(out_dir):
     _run["lock"] = (path, f)
 
 
+def drop_lock_file():
+    """After a failed start (`common.remove_empty_folders`): the run lock's file, where this
+    process holds it and it is all its folder holds, so the folder is as the run found it (or,
+    made by the run, empty, for the caller to remove). A folder with anything else in it keeps
+    its lock file, as after a run that ends."""
+    path, f = _run.get("lock", (None, None))
+    if f is None or os.listdir(os.path.dirname(path)) != [".lock"]:
+        return  # not held here (another rank, a store's lock), or the run wrote more
+    os.unlink(path)  # still held: no other run can take it between the check and the unlink
+    f.close()
+    del _run["lock"]
+
+
 def _remove_stale_temps(root):
     """Rank 0, holding the lock: what killed saves left (their runs are gone, or they would hold
     the lock) is removed; a symlink itself, never its target."""

@@ -3183,6 +3183,11 @@ def make_local_dir(args):
     while not os.path.lexists(parent):
         missing.append(parent)
         parent = os.path.dirname(parent)
+    if dist.is_initialized():
+        # Collective: every rank has looked before any makes them, so each rank knows the run
+        # made them; rank 0 above all, which holds the run lock (`remove_empty_folders`). One
+        # rank quicker to makedirs left rank 0 a folder "already there", kept after a failure.
+        dist.barrier()
     os.makedirs(path, exist_ok=True)
     MADE_FOLDERS[:] = missing
 
@@ -3196,7 +3201,11 @@ MADE_FOLDERS = []
 def remove_empty_folders():
     """After a failed run: remove the folders `make_local_dir` made while they are still empty.
     os.rmdir removes only an empty folder, so nothing written (a checkpoint, a log, another
-    run's file) is ever lost; the first folder with something in it stops the walk up."""
+    run's file) is ever lost; the first folder with something in it stops the walk up. The run
+    lock's file goes first where it is all the run wrote (`checkpoint.drop_lock_file`): a start
+    refused after taking the lock (a --resume PATH that is no checkpoint) kept a folder holding
+    a .lock and nothing else."""
+    checkpoint.drop_lock_file()
     for path in MADE_FOLDERS:
         try:
             os.rmdir(path)

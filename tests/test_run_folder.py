@@ -309,6 +309,24 @@ def test_a_second_run_into_the_same_out_dir_is_refused(tmp_path, addition_jsonl)
     assert [r["step"] for r in metrics(out)] == list(range(1, k + 1))
 
 
+def test_a_start_refused_after_taking_the_lock_leaves_the_folder_as_it_was(
+    tmp_path, addition_jsonl
+):
+    """A --resume PATH that is no checkpoint is refused after rank 0 has taken the run lock: a
+    new --out_dir goes again, its .lock with it (`checkpoint.drop_lock_file`, then
+    `common.remove_empty_folders`); an empty folder that was there stays, empty."""
+    nothing = tmp_path / "nothing"
+    new = tmp_path / "new" / "run"
+    p = run("train_sft.py", *sft(str(new), addition_jsonl, "--resume", nothing), check=False)
+    assert_ranks_error(p, str(nothing))
+    assert os.listdir(tmp_path) == []
+    there = tmp_path / "there"
+    there.mkdir()
+    p = run("train_sft.py", *sft(str(there), addition_jsonl, "--resume", nothing), check=False)
+    assert_ranks_error(p, str(nothing))
+    assert os.listdir(there) == []
+
+
 # Two "nodes" on one machine: each rank starts in a folder of its own, picked by its RANK; with
 # PLAINRLHF_TEST_NODE_NAMES, each also calls its host by its own name and imports from its folder
 NODE_LOCAL_SITE = """
