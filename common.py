@@ -270,6 +270,7 @@ def parse_args(cls, limits):
         except objstore.StoreError as e:
             raise SystemExit(f"error: --{flag} {e}")
     check_limits(args, {**RUN_LIMITS, **limits})
+    check_unused_run_flags(args)
     # one spelling of the object, so a resume compares what it says, not its spaces ('{}' is '')
     kwargs = parse_chat_template_kwargs(args.chat_template_kwargs)
     args.chat_template_kwargs = ""
@@ -282,6 +283,17 @@ def parse_args(cls, limits):
     # (a group torchrun restarted resumes from latest: `checkpoint.resolve`, once every rank
     # agrees it was restarted)
     return args
+
+
+def check_unused_run_flags(args):
+    """A shared flag that this command line leaves with nothing to do is one line, not ignored:
+    --local_dir is the local folder of an object-store --out_dir only. (A --stop_at_step past
+    --max_steps is allowed: a job script that stops every N steps passes one at its last part.)"""
+    if args.local_dir and not objstore.is_url(args.out_dir):
+        raise SystemExit(
+            f"error: --local_dir {args.local_dir} applies to an object-store --out_dir "
+            f"(s3://...) only; --out_dir {args.out_dir} holds the logs itself"
+        )
 
 
 COMPARISONS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}

@@ -845,7 +845,12 @@ def check_args(args, world):
         )
     check_gae_only_flags(args)
     check_kl_estimator(args)
-    if args.scale_rewards != "group" and args.advantage_estimator != "grpo":
+    if args.offload_frozen and not uses_reference(args) and not args.reward_model:
+        raise SystemExit(
+            "error: --offload_frozen offloads the frozen models (reference, reward model), and "
+            "this run has none: --kl_coef 0, no --target_kl, no --reward_model"
+        )
+    if common.flag_given(args, "scale_rewards") and args.advantage_estimator != "grpo":
         raise SystemExit(
             f"error: --scale_rewards {args.scale_rewards} applies to --advantage_estimator grpo "
             f"only; {SCALED_BY.get(args.advantage_estimator, 'it divides by no group std')}"
@@ -879,7 +884,13 @@ def check_rollout_batch_sizes(args, world):
 def check_engine_flags(args):
     """vLLM 0.32 samples at temperatures up to rollout.VLLM_MAX_TEMPERATURE: its SamplingParams
     refuses more, at the first rollout, in a traceback per rank. --rollout_engine vllm with a
-    higher one is one line before anything loads; auto takes the HF engine for it."""
+    higher one is one line before anything loads; auto takes the HF engine for it. vLLM's own
+    settings under --rollout_engine hf would do nothing: one line too."""
+    for name in ("gpu_memory_utilization", "enforce_eager"):
+        if args.rollout_engine == "hf" and common.flag_given(args, name):
+            raise SystemExit(
+                f"error: --{name} is a setting of the vLLM engine; --rollout_engine hf has none"
+            )
     if args.rollout_engine == "vllm" and args.temperature > rollout.VLLM_MAX_TEMPERATURE:
         raise SystemExit(
             f"error: --temperature {args.temperature}: vLLM samples at temperatures up to "
@@ -892,14 +903,12 @@ def check_kl_estimator(args):
     --kl_coef 0 the reward weighs no KL (a --target_kl's controller scales beta by a factor, so
     from 0 it stays 0: the KL is only logged, as k1); there it would do nothing, so it is
     refused in one line."""
-    if args.kl_estimator == "k1":
-        return
-    if kl_in_loss(args):
+    if kl_in_loss(args) and common.flag_given(args, "kl_estimator"):
         raise SystemExit(
             f"error: --kl_estimator {args.kl_estimator} picks the KL in the reward (gae, rloo); "
             "grpo's KL is a loss term, k3 already (Shao et al. 2024, eq. 4)"
         )
-    if args.kl_coef == 0:
+    if args.kl_estimator != "k1" and args.kl_coef == 0:
         raise SystemExit(
             f"error: --kl_estimator {args.kl_estimator}: --kl_coef 0 weighs no KL in the reward "
             "(a --target_kl scales beta from 0 to 0: it only logs the KL, as k1)"
@@ -958,18 +967,18 @@ GAE_ONLY = ("gamma", "lam", "whiten_rewards", "critic_lr", "cliprange_value")
 
 
 def check_gae_only_flags(args):
-    """With --advantage_estimator grpo or rloo, a GAE or critic flag moved from its default is
-    refused in one line, not silently ignored."""
+    """With --advantage_estimator grpo or rloo, a GAE or critic flag given (its default spelt out
+    too) is refused in one line, not silently ignored."""
     if args.advantage_estimator == "gae":
         return
-    defaults = Args()
-    moved = [f"--{name}" for name in GAE_ONLY if getattr(args, name) != getattr(defaults, name)]
+    # a flag spelt out at its default is the user's too (as --reward_fn's): it would do nothing
+    given = [f"--{name}" for name in GAE_ONLY if common.flag_given(args, name)]
     verb = "applies"
-    if len(moved) > 1:
+    if len(given) > 1:
         verb = "apply"
-    if moved:
+    if given:
         raise SystemExit(
-            f"error: {', '.join(moved)} {verb} to --advantage_estimator gae (GAE and its critic) "
+            f"error: {', '.join(given)} {verb} to --advantage_estimator gae (GAE and its critic) "
             f"only; {args.advantage_estimator} has no critic and uses neither"
         )
 
@@ -1190,7 +1199,8 @@ def rule_reward(args, rows, texts):
     for spec, weight in zip(specs, weights):
         scores = rule_scores(spec, rows, texts)
         terms.append(weight * scores)
-        if len(specs) > 1:
+        # one rule under a weight other than 1 is logged on its own too: the sum is not its score
+        if len(specs) > 1 or weight != 1:
             parts[f"rule/{spec.replace(':', '.')}"] = scores
     # summed from the first term, not from zeros: one rule of weight 1 is its scores exactly
     # (a -0.0 too, which 0.0 + -0.0 would turn into 0.0)
@@ -1588,7 +1598,7 @@ def eval_line(args, step, metrics):
     name = "held-out score"
     if args.reward_model:
         name = "held-out reward-model score"
-    elif args.reward_fn == "task:reward_fn":
+    elif args.reward_fn == "task:reward_fn" and rule_weights(args.reward_weights, 1) == [1.0]:
         name = "held-out accuracy"
     line = f"step {step}: {name} {metrics['eval/accuracy']:.3f}"
     gold = "gold score"

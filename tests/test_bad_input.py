@@ -763,6 +763,45 @@ def test_scale_rewards_outside_grpo_is_refused(estimator):
     train_ppo.check_args(train_ppo.Args(advantage_estimator="grpo", scale_rewards="batch"), 1)
 
 
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--advantage_estimator", "grpo", "--gamma", "1.0"], "--gamma applies to"),
+        (["--advantage_estimator", "grpo", "--kl_estimator", "k1"], "--kl_estimator k1 picks"),
+        (["--scale_rewards", "group"], "--scale_rewards group applies to --advantage_estimator"),
+        (["--rollout_engine", "hf", "--enforce_eager", "true"], "--enforce_eager is a setting"),
+        (["--rollout_engine", "hf", "--gpu_memory_utilization", "0.5"], "--gpu_memory_util"),
+        (["--offload_frozen", "true", "--kl_coef", "0"], "--offload_frozen offloads the frozen"),
+        (["--local_dir", "logs"], "--local_dir logs applies to an object-store --out_dir"),
+    ],
+    ids=["gamma", "kl-estimator", "scale", "eager", "gpu-memory", "offload", "local-dir"],
+)
+def test_a_flag_with_nothing_to_do_is_refused_spelt_at_its_default_too(monkeypatch, argv, needle):
+    """A flag of another mode, or one this command line leaves nothing to act on, is one line
+    even at its default value (`common.flag_given`: as --reward_fn beside --reward_model), where
+    it ran, silently ignored (helper 70's probe)."""
+    import common
+    import train_ppo
+
+    monkeypatch.setattr("sys.argv", ["train_ppo.py", "--out_dir", "out", *argv])
+    with pytest.raises(SystemExit, match=needle):
+        args = common.parse_args(train_ppo.Args, train_ppo.LIMITS)
+        train_ppo.check_args(args, 1)
+
+
+def test_one_rule_under_a_weight_is_logged_on_its_own_and_not_called_accuracy():
+    """--reward_weights 2 on the task's rule: the reward is twice the rule's score, so the held-out
+    line says "score" (not an accuracy of 2.0) and the rule's own score is logged beside it."""
+    import train_ppo
+
+    args = train_ppo.Args(reward_weights="2")
+    scores, parts = train_ppo.rule_reward(args, [{"prompt": "12+30="}], ["42"])
+    assert scores.tolist() == [2.0] and parts["rule/task.reward_fn"].tolist() == [1.0]
+    line = train_ppo.eval_line(args, 1, {"eval/accuracy": 2.0})
+    assert line.startswith("step 1: held-out score 2.000"), line
+    assert "accuracy" in train_ppo.eval_line(train_ppo.Args(), 1, {"eval/accuracy": 1.0})
+
+
 def test_a_temperature_vllm_cannot_sample_at(one_rank):
     """vLLM 0.32 refuses a temperature above 2 in its SamplingParams, at the first rollout, in a
     traceback per rank: --rollout_engine vllm is refused before anything loads, and auto takes
