@@ -189,7 +189,7 @@ LIMITS = {
     "max_grad_norm": "> 0",
     "gamma": ">= 0, <= 1",
     "lam": ">= 0, <= 1",
-    "cliprange": "> 0",
+    "cliprange": "> 0, < 1",  # at 1 or more the lower clip, 1 - eps <= 0, never applies
     "cliprange_high": ">= 0",  # 0: --cliprange
     "cliprange_value": ">= 0",  # 0: no value clipping
     "kl_coef": ">= 0",

@@ -497,6 +497,7 @@ def test_ppo_batch_sizes(tmp_path):
         ("train_ppo.py", "--advantage_estimator", "ppo", "invalid choice: 'ppo'"),
         ("train_ppo.py", "--warmup_steps", -1, "expected a number >= 0"),
         ("train_ppo.py", "--cliprange_value", -0.2, "expected a number >= 0"),
+        ("train_ppo.py", "--cliprange", 1, "expected a number > 0, < 1"),  # 1 - eps: no clip
         ("train_sft.py", "--max_step", 1, "unrecognized arguments: --max_step 1"),  # no prefixes
         ("train_rm.py", "--out_dir", "", "expected a folder or a store URL, got ''"),
         ("train_dpo.py", "--resume", "file://", "expected a path after file://"),
