@@ -2207,10 +2207,16 @@ def load(path, roles, args, must_match, frozen=None, folders=None, identity=None
         seed_new_stream(meta["args"].get("seed"), dist.get_rank(), meta["step"])
     if meta["world_size"] != dist.get_world_size() and dist.get_rank() == 0:
         # exact only at the same world size
+        world = dist.get_world_size()
+        ranks = f"{world} ranks"
+        if world == 1:
+            ranks = "1 rank"
+        streams = "RNG streams cannot"
+        if world > meta["world_size"]:
+            streams += " (a rank the checkpoint has none for starts a new one)"
         print(
-            f"WARNING: resuming a {meta['world_size']}-rank checkpoint on "
-            f"{dist.get_world_size()} ranks: weights, optimizer and data position carry over, "
-            "RNG streams cannot (a rank the checkpoint has none for starts a new one)",
+            f"WARNING: resuming a {meta['world_size']}-rank checkpoint on {ranks}: weights, "
+            f"optimizer and data position carry over, {streams}",
             flush=True,
         )
     return meta

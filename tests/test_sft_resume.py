@@ -79,7 +79,9 @@ def test_resume_on_one_rank_continues_from_the_right_sample(tmp_path, straight, 
     k = 6
     run("train_sft.py", *sft(out, addition_jsonl, "--stop_at_step", k))
     p = run("train_sft.py", *sft(out, addition_jsonl, "--resume", "latest"), nproc=1)
-    assert "RNG streams cannot" in p.stdout + p.stderr
+    said = "checkpoint on 1 rank: weights, optimizer and data position carry over, RNG streams"
+    assert f"{said} cannot" in p.stdout + p.stderr
+    assert "starts a new one" not in p.stdout + p.stderr  # 2 -> 1: no rank lacks a stream
     want = metrics(straight)
     got = metrics(out)
     assert [r["step"] for r in got] == list(range(1, N + 1))
