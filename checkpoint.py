@@ -517,6 +517,10 @@ class _WholeObjectStreams(FsspecFileSystem):
         size = self.sizes.get(os.path.basename(os.fspath(path)), 0)
         block = max(size, 1 << 20)
         with self.fs.open(os.fspath(path), mode, block_size=block, cache_type="readahead") as f:
+            # the first read from byte 0 fills the cache with the whole object: a range's check
+            # (`_SafeStoreReader._slice_file`) reads its end first, which fetched from there on
+            f.read(1)
+            f.seek(0)
             yield f
 
 
@@ -1889,16 +1893,33 @@ def _lock(out_dir):
     path = os.path.join(out_dir, ".lock")
     if _run.get("lock", (None,))[0] == path:  # this process took it already
         return
-    f = open_regular(path, "a")
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    for _ in range(3):
+        f = open_regular(path, "a")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise CheckpointError(
+                f"{out_dir}: another run is using this --out_dir (it holds {path}); nothing was "
+                "changed: wait for it to end, or use another --out_dir"
+            )
+        if _same_file(f, path):
+            _run["lock"] = (path, f)
+            return
+        # a start that failed while holding it unlinked it (`drop_lock_file`) between our open
+        # and our flock: a lock on that orphan excludes no one, so take the file now there
         f.close()
-        raise CheckpointError(
-            f"{out_dir}: another run is using this --out_dir (it holds {path}); nothing was "
-            "changed: wait for it to end, or use another --out_dir"
-        )
-    _run["lock"] = (path, f)
+    raise CheckpointError(f"{path}: replaced while this run took it, three times; try again")
+
+
+def _same_file(f, path):
+    """Whether the open file f is still the file at path (not unlinked or replaced)."""
+    try:
+        now = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(f.fileno())
+    return (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino)
 
 
 def drop_lock_file():
@@ -1907,9 +1928,16 @@ def drop_lock_file():
     made by the run, empty, for the caller to remove). A folder with anything else in it keeps
     its lock file, as after a run that ends."""
     path, f = _run.get("lock", (None, None))
-    if f is None or os.listdir(os.path.dirname(path)) != [".lock"]:
-        return  # not held here (another rank, a store's lock), or the run wrote more
-    os.unlink(path)  # still held: no other run can take it between the check and the unlink
+    if f is None:
+        return  # not held here (another rank, a store's lock)
+    try:
+        if os.listdir(os.path.dirname(path)) != [".lock"]:
+            return  # the run wrote more
+        # still held: a run that opened it before this unlink finds, once it has the lock, no
+        # file at the path (`_same_file`) and takes the new one, which the next run must share
+        os.unlink(path)
+    except OSError:
+        return  # the folder removed or unreadable under the run (the error being reported)
     f.close()
     del _run["lock"]
 

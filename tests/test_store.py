@@ -648,3 +648,32 @@ def test_an_export_into_a_checkpoint_on_the_store_is_refused(store, tmp_path):
         with pytest.raises(checkpoint.CheckpointError, match=needle):
             checkpoint._check_export_prefix(out, src)
     checkpoint._check_export_prefix(f"s3://{BUCKET}/exports/hf", src)  # where a stage exports
+
+
+def test_a_shard_on_the_store_is_fetched_in_one_get(store, tmp_path, monkeypatch):
+    """Each range's check (`_SafeStoreReader._slice_file`) reads its zip's end first: the object
+    is still fetched whole, once (`_WholeObjectStreams`), not again from each place read."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import checkpoint
+
+    fs, _ = store
+    state = {f"t{i}": torch.randn(2500) for i in range(20)}  # 20 ranges in one object
+    folder = tmp_path / "dcp"
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    fs.put(str(folder) + "/", f"{BUCKET}/whole/dcp/", recursive=True)
+    sizes = {p.name: p.stat().st_size for p in folder.iterdir()}
+    gets = []
+    fetch_range = s3fs.core.S3File._fetch_range
+
+    def counted(self, start, end):
+        gets.append((os.path.basename(self.path), start, end))
+        return fetch_range(self, start, end)
+
+    monkeypatch.setattr(s3fs.core.S3File, "_fetch_range", counted)
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    checkpoint.dcp_load(loaded, f"s3://{BUCKET}/whole/dcp", no_dist=True, sizes=sizes)
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    shard = [g for g in gets if g[0] != ".metadata"]
+    assert len(shard) == 1 and shard[0][1:] == (0, sizes[shard[0][0]]), shard

@@ -1636,6 +1636,38 @@ def test_a_failed_start_removes_only_the_empty_folders_it_made(tmp_path):
     assert out.parent.is_dir()
 
 
+def test_a_dropped_lock_file_is_never_a_lock_two_runs_hold(tmp_path, monkeypatch):
+    """`checkpoint.drop_lock_file` unlinks a lock file still held: a run that opened it just
+    before takes, once its flock is granted, the file now at the path (`checkpoint._same_file`),
+    so a third run is refused, not let in beside it. A folder removed under the failed run is no
+    traceback in its error path (`common.remove_empty_folders`)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    monkeypatch.setattr(checkpoint, "_run", {})
+    checkpoint._lock(str(out))
+    failed = checkpoint._run.pop("lock")
+    real_open = checkpoint.open_regular
+
+    def open_then_drop(path, mode="r"):  # the failed start drops its file after this open
+        f = real_open(path, mode)
+        if not failed[1].closed:
+            checkpoint._run["lock"] = failed
+            checkpoint.drop_lock_file()
+        return f
+
+    monkeypatch.setattr(checkpoint, "open_regular", open_then_drop)
+    checkpoint._lock(str(out))
+    monkeypatch.setattr(checkpoint, "open_regular", real_open)
+    held = checkpoint._run.pop("lock")  # the second run's: kept open, so its flock stays
+    assert os.fstat(held[1].fileno()).st_nlink == 1  # on the file at the path, not the orphan
+    with pytest.raises(checkpoint.CheckpointError, match="another run is using"):
+        checkpoint._lock(str(out))
+    os.unlink(out / ".lock")
+    os.rmdir(out)
+    checkpoint._run["lock"] = (str(out / ".lock"), open(os.devnull))
+    common.remove_empty_folders()  # the folder gone: nothing to drop, no FileNotFoundError
+
+
 def test_the_template_variables_travel_with_the_tokenizer(tmp_path, monkeypatch, capsys):
     """A stage's --chat_template_kwargs become its template's defaults
     (`common.record_template_kwargs`): the tokenizer it saves renders as the run did without
