@@ -2157,6 +2157,16 @@ def load_error(path, e, flag="--model"):
             f"error: {flag} {path}: a checkpoint, not a model folder; export it first "
             f"(python checkpoint.py export {path} OUT) and give OUT"
         )
+    # a checkpoint's hf/ folder: its config and tokenizer load, its weights are in dcp/
+    folder = os.path.normpath(path)
+    checkpoint_dir = os.path.dirname(folder)
+    in_checkpoint = os.path.isfile(os.path.join(checkpoint_dir, "manifest.json"))
+    if os.path.basename(folder) == "hf" and in_checkpoint:
+        return (
+            f"error: {flag} {path}: a checkpoint's hf/ folder (its config and tokenizer; the "
+            f"weights are in its dcp/); export it first (python checkpoint.py export "
+            f"{checkpoint_dir} OUT) and give OUT"
+        )
     lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [""]
     detail = lines[0]
     if detail.endswith(":") and len(lines) > 1:

@@ -611,6 +611,18 @@ def load_reward_model(args, models):
         flag="--reward_model",
         num_labels=1,
     )
+    # A token classifier (a PPO critic's export: a value per token, its head with a bias) loads
+    # as a sequence classifier without complaint, its head's bias left out: refused, as it is no
+    # reward model (train_rm.py's export is a sequence classifier).
+    names = reward_model.config.architectures or []
+    if isinstance(names, str):
+        names = [names]
+    if names and all(name.endswith("ForTokenClassification") for name in names):
+        raise SystemExit(
+            f"error: --reward_model {args.reward_model}: a token classifier ({names[0]}: a "
+            "value model, such as a PPO critic's export), not a reward model; give a sequence "
+            "classifier (train_rm.py's export)"
+        )
     # transformers' own pooling refuses batches when the config has no pad id; the score is
     # read by `reward_model_scores` from the lengths, whatever this id is.
     common.set_pad_token_id(reward_model.config, reward_tok.pad_token_id)

@@ -1215,6 +1215,26 @@ def test_a_classifier_of_two_labels_is_no_reward_model(tmp_path):
     assert_one_line_error(p, f"--reward_model {reward_dir}: a classifier with 2 outputs")
 
 
+def test_a_token_classifier_is_no_reward_model(tmp_path):
+    """A PPO critic's export (a token classifier: a value per token, its head with a bias) given
+    as --reward_model loaded as a sequence classifier, its head's bias dropped without a word,
+    and PPO trained on the value at the last token as its reward; one line names the flag."""
+    from transformers import AutoModelForTokenClassification
+    from transformers import AutoTokenizer
+
+    import task
+
+    task.ensure_tiny_model()
+    critic_dir = tmp_path / "critic"
+    model = AutoModelForTokenClassification.from_pretrained(task.TINY_MODEL, num_labels=1)
+    model.save_pretrained(critic_dir)
+    AutoTokenizer.from_pretrained(task.TINY_MODEL).save_pretrained(critic_dir)
+    args = ("--model", task.TINY_MODEL, "--out_dir", tmp_path / "out", "--rollout_engine", "hf")
+    args += ("--reward_model", critic_dir, "--eval_samples", 4, "--max_steps", 1)
+    p = run_py("train_ppo.py", *args)
+    assert_one_line_error(p, f"--reward_model {critic_dir}: a token classifier", "not a reward")
+
+
 @pytest.mark.slow
 def test_a_memory_store_under_two_ranks_is_refused_at_the_start(tmp_path):
     """fsspec's memory:// store is one process's own memory: under two ranks each wrote its own

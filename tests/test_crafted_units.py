@@ -798,13 +798,19 @@ def test_a_checkpoint_folders_deep_is_damage_not_a_traceback(tmp_path):
 
 
 def test_small_misuses_are_named(tmp_path):
-    """A checkpoint given as --model, a folder or device as --data, an empty OUT for export
-    (which exported the whole model before failing to write it): each one line that says so."""
+    """A checkpoint (or its hf/ folder) given as --model, a folder or device as --data, an empty
+    OUT for export (which exported the whole model before failing to write it): each one line that
+    says so."""
     import common
 
     write_small_checkpoint(tmp_path)
     line = common.load_error(str(tmp_path), OSError("Can't load tokenizer"))
     assert "a checkpoint, not a model folder; export it first" in line
+    # its hf/ folder: config and tokenizer load, the weights are missing
+    hf = os.path.join(str(tmp_path), "hf")
+    os.makedirs(hf, exist_ok=True)
+    line = common.load_error(hf, OSError("no file named model.safetensors"))
+    assert "a checkpoint's hf/ folder" in line and f"export {tmp_path} OUT" in line
     for path in (str(tmp_path), "/dev/null"):
         with pytest.raises(SystemExit, match="not a file .a folder or a device.; expected JSONL"):
             common.load_jsonl(path, ["prompt"])
