@@ -347,6 +347,20 @@ CHAT_TEMPLATE_KWARGS = {}
 RECORDED_TEMPLATE_KWARGS = {}
 
 
+@contextlib.contextmanager
+def own_template_variables():
+    """Renders within take no --chat_template_kwargs, only each template's own defaults: PPO's
+    reward model renders as train_rm.py trained it (its export records the variables it was
+    trained with, `record_template_kwargs`), whatever the policy's flag says. The caches of
+    renderings are keyed by the variables (`template_key`), so none is reused across the two."""
+    given = dict(CHAT_TEMPLATE_KWARGS)
+    CHAT_TEMPLATE_KWARGS.clear()
+    try:
+        yield
+    finally:
+        CHAT_TEMPLATE_KWARGS.update(given)
+
+
 def check_limits(args, limits):
     """Refuse a flag outside what it allows, in one line naming it. limits: {flag: rule}, a rule
     being conditions joined by commas, e.g. "> 0" or ">= 0, <= 1". Every float flag must also be

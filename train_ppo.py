@@ -781,7 +781,8 @@ def encode_row(tok, row, max_new_tokens, context, reward_tok, where):
     common.check_prompt_ids(ids, where)
     if reward_tok is not None:
         common.check_special_text(reward_tok, f"{where} (--reward_model)", prompt)
-        common.encode_prompt(reward_tok, prompt, f"{where} (--reward_model)")
+        with common.own_template_variables():  # as `reward_model_inputs` renders it
+            common.encode_prompt(reward_tok, prompt, f"{where} (--reward_model)")
     if len(ids) + max_new_tokens > context:
         raise SystemExit(
             f"error: {where}: prompt of {len(ids)} tokens + --max_new_tokens "
@@ -1305,14 +1306,16 @@ def reward_model_inputs(reward_tok, data_prompts, response_texts, finished):
     its chat template when it has one), the response, and its end (`common.response_end_id`) when
     the response ended there. The reward model never sees the policy's ids: its vocabulary and pad
     id may differ. This is the format `common.encode_pair` trains the reward model on
-    (prompt, response, end)."""
+    (prompt, response, end), with the template variables it was trained with, recorded in its
+    export, not the policy's --chat_template_kwargs (`common.own_template_variables`)."""
     sequences = []
-    for prompt, response, ended in zip(data_prompts, response_texts, finished):
-        ids = common.encode_prompt(reward_tok, prompt, "--reward_model")  # load_prompts tried it
-        ids = ids + common.encode_response(reward_tok, prompt, response)
-        if ended:
-            ids = ids + [common.response_end_id(reward_tok)]
-        sequences.append(ids)
+    with common.own_template_variables():
+        for prompt, response, ended in zip(data_prompts, response_texts, finished):
+            ids = common.encode_prompt(reward_tok, prompt, "--reward_model")  # load_prompts did
+            ids = ids + common.encode_response(reward_tok, prompt, response)
+            if ended:
+                ids = ids + [common.response_end_id(reward_tok)]
+            sequences.append(ids)
     return sequences
 
 

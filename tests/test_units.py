@@ -1289,6 +1289,20 @@ def test_a_response_is_trained_as_the_chat_template_renders_its_turn(monkeypatch
         trained_tokens(qwen3, "1+2=", "<think>\nx\n</think>\n\n82")
 
 
+def test_the_reward_model_renders_with_its_own_template_variables(monkeypatch):
+    """PPO's --chat_template_kwargs are the policy's: the reward model renders its inputs with
+    its own template's defaults (those train_rm.py recorded in its export), as it was trained,
+    where the flag reached its template too and changed its scores (helper 73's probe)."""
+    tok = templated_tokenizer("{% if short %}1\n{% endif %}" + GEMMA_TEMPLATE)
+    row = {"prompt": "1+2=", "chosen": "82", "rejected": "81"}
+    (trained, _), _ = common.encode_pair(tok, row, 128, "x")  # as train_rm.py, no flag
+    monkeypatch.setitem(common.CHAT_TEMPLATE_KWARGS, "short", True)
+    (otherwise, _), _ = common.encode_pair(tok, row, 128, "x")
+    assert otherwise != trained  # the variable changes the rendering
+    assert train_ppo.reward_model_inputs(tok, ["1+2="], ["82"], [True]) == [trained]
+    assert common.CHAT_TEMPLATE_KWARGS == {"short": True}  # the policy's, back
+
+
 def test_a_turn_opening_with_a_special_token_reaches_the_reward_model_once():
     """A template whose answer opens with a special token and a header (GPT-OSS's channel): PPO
     decoded samples without special tokens, and the reward model's input got the header's words
