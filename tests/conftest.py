@@ -229,12 +229,13 @@ def assert_same_tensors(a, b):
     assert not bad, f"{len(bad)} tensors differ, e.g. {bad[:3]}"
 
 
-def kill_twice(script, args, out, latest_sleep, seed):
+def kill_twice_then_resume(script, args, out, straight, latest_sleep, seed):
     """SIGKILL a run of `script args` (which resumes: --resume latest, --save_every 1,
     --async_save true) and its whole tree twice, each time a fresh start: once at a random moment
     up to `latest_sleep` s after two rows are logged, once while an asynchronous save of its own is
-    being written. Returns the moments (attempt, rows logged, checkpoint folder's names), to say
-    where a failure began; the caller resumes once more and compares with an uninterrupted run."""
+    being written. Then it resumes to the end, which must hold the uninterrupted run's (`straight`)
+    every tensor (weights, optimizer state) and every logged metric. The moments (attempt, rows
+    logged, checkpoint folder's names) say where a failure began."""
     root = os.path.join(out, "checkpoints")
     rng = random.Random(seed)
     moments = []
@@ -254,7 +255,19 @@ def kill_twice(script, args, out, latest_sleep, seed):
         moments.append((attempt, logged_steps(out), sorted(os.listdir(root))))
         assert kill_tree(proc.pid) == -9, moments  # it landed: the run had not ended
         proc.wait()
-    return moments
+    p = run(script, *args)
+    assert "resumed from" in p.stdout + p.stderr, moments
+    assert_same_tensors(latest(straight), latest(out))
+    assert metrics(straight) == metrics(out), moments
+
+
+def assert_same_export(a, b):
+    """The two runs' exports (`<out_dir>/hf/model.safetensors`) hold equal tensors, bit for bit."""
+    from safetensors.torch import load_file
+
+    a = load_file(os.path.join(a, "hf", "model.safetensors"))
+    b = load_file(os.path.join(b, "hf", "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def dcp_folder(tmp_path):

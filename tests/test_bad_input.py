@@ -1196,22 +1196,30 @@ def test_a_byte_order_mark_is_not_bad_input(tmp_path):
     ]
 
 
-def test_a_classifier_of_two_labels_is_no_reward_model(tmp_path):
-    """A 2-label sequence classifier (a sentiment model, say) given as --reward_model failed on its
-    head's shape with transformers' RuntimeError; one line names the flag and the outputs."""
-    from transformers import AutoModelForSequenceClassification
+def ppo_with_classifier_as_reward_model(tmp_path, auto_class, num_labels):
+    """(its folder, the run): a tiny classifier of the given transformers class and outputs,
+    saved with a tokenizer, given to a one-step PPO run as --reward_model."""
     from transformers import AutoTokenizer
 
     import task
 
     task.ensure_tiny_model()
     reward_dir = tmp_path / "classifier"
-    model = AutoModelForSequenceClassification.from_pretrained(task.TINY_MODEL, num_labels=2)
+    model = auto_class.from_pretrained(task.TINY_MODEL, num_labels=num_labels)
     model.save_pretrained(reward_dir)
     AutoTokenizer.from_pretrained(task.TINY_MODEL).save_pretrained(reward_dir)
     args = ("--model", task.TINY_MODEL, "--out_dir", tmp_path / "out", "--rollout_engine", "hf")
     args += ("--reward_model", reward_dir, "--eval_samples", 4, "--max_steps", 1)
-    p = run_py("train_ppo.py", *args)
+    return reward_dir, run_py("train_ppo.py", *args)
+
+
+def test_a_classifier_of_two_labels_is_no_reward_model(tmp_path):
+    """A 2-label sequence classifier (a sentiment model, say) given as --reward_model failed on its
+    head's shape with transformers' RuntimeError; one line names the flag and the outputs."""
+    from transformers import AutoModelForSequenceClassification
+
+    auto_class = AutoModelForSequenceClassification
+    reward_dir, p = ppo_with_classifier_as_reward_model(tmp_path, auto_class, 2)
     assert_one_line_error(p, f"--reward_model {reward_dir}: a classifier with 2 outputs")
 
 
@@ -1220,18 +1228,9 @@ def test_a_token_classifier_is_no_reward_model(tmp_path):
     as --reward_model loaded as a sequence classifier, its head's bias dropped without a word,
     and PPO trained on the value at the last token as its reward; one line names the flag."""
     from transformers import AutoModelForTokenClassification
-    from transformers import AutoTokenizer
 
-    import task
-
-    task.ensure_tiny_model()
-    critic_dir = tmp_path / "critic"
-    model = AutoModelForTokenClassification.from_pretrained(task.TINY_MODEL, num_labels=1)
-    model.save_pretrained(critic_dir)
-    AutoTokenizer.from_pretrained(task.TINY_MODEL).save_pretrained(critic_dir)
-    args = ("--model", task.TINY_MODEL, "--out_dir", tmp_path / "out", "--rollout_engine", "hf")
-    args += ("--reward_model", critic_dir, "--eval_samples", 4, "--max_steps", 1)
-    p = run_py("train_ppo.py", *args)
+    auto_class = AutoModelForTokenClassification
+    critic_dir, p = ppo_with_classifier_as_reward_model(tmp_path, auto_class, 1)
     assert_one_line_error(p, f"--reward_model {critic_dir}: a token classifier", "not a reward")
 
 

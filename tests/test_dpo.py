@@ -13,8 +13,9 @@ from safetensors.torch import load_file
 from safetensors.torch import save_file
 from test_bad_input import assert_one_line_error
 
+from conftest import assert_same_export
 from conftest import assert_same_tensors
-from conftest import kill_twice
+from conftest import kill_twice_then_resume
 from conftest import latest
 from conftest import metrics
 from conftest import run
@@ -100,9 +101,7 @@ def test_dpo_resume_is_bitwise_exact(tmp_path, straight, dropout_start):
     assert "at step 4" in p.stdout + p.stderr
     assert_same_tensors(latest(straight), latest(out))  # weights and optimizer state
     assert metrics(straight) == metrics(out)  # every step's loss, rewards, logps, eval
-    a = load_file(os.path.join(straight, "hf", "model.safetensors"))
-    b = load_file(os.path.join(out, "hf", "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_export(straight, out)
 
 
 def test_dpo_sigkills_then_resume_is_exact(tmp_path, straight, dropout_start):
@@ -111,14 +110,8 @@ def test_dpo_sigkills_then_resume_is_exact(tmp_path, straight, dropout_start):
     weights, optimizer state, metrics and export."""
     out = str(tmp_path)
     args = dpo(out, dropout_start, "--async_save", "true", "--save_every", 1, "--resume", "latest")
-    moments = kill_twice("train_dpo.py", args, out, latest_sleep=0.3, seed=5)
-    p = run("train_dpo.py", *args)
-    assert "resumed from" in p.stdout + p.stderr, moments
-    assert_same_tensors(latest(straight), latest(out))
-    assert metrics(straight) == metrics(out), moments
-    a = load_file(os.path.join(straight, "hf", "model.safetensors"))
-    b = load_file(os.path.join(out, "hf", "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    kill_twice_then_resume("train_dpo.py", args, out, straight, latest_sleep=0.3, seed=5)
+    assert_same_export(straight, out)
 
 
 def test_dpo_export_loads_in_plain_transformers_and_vllm(straight, memorised_sft):

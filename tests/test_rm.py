@@ -7,11 +7,11 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import task
+from conftest import assert_same_export
 from conftest import assert_same_tensors
-from conftest import kill_twice
+from conftest import kill_twice_then_resume
 from conftest import latest
 from conftest import metrics
 from conftest import right_padded
@@ -50,9 +50,7 @@ def test_rm_resume_is_bitwise_exact(tmp_path, straight):
     assert "at step 4" in p.stdout + p.stderr
     assert_same_tensors(latest(straight), latest(out))  # weights and optimizer state
     assert metrics(straight) == metrics(out)  # every step's loss, accuracy, eval, statistics
-    a = load_file(os.path.join(straight, "hf", "model.safetensors"))
-    b = load_file(os.path.join(out, "hf", "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_export(straight, out)
 
 
 def test_rm_sigkills_then_resume_is_exact(tmp_path, straight):
@@ -62,14 +60,8 @@ def test_rm_sigkills_then_resume_is_exact(tmp_path, straight):
     among them) and export."""
     out = str(tmp_path)
     args = rm(out, "--async_save", "true", "--save_every", 1, "--resume", "latest")
-    moments = kill_twice("train_rm.py", args, out, latest_sleep=0.3, seed=4)
-    p = run("train_rm.py", *args)
-    assert "resumed from" in p.stdout + p.stderr, moments
-    assert_same_tensors(latest(straight), latest(out))
-    assert metrics(straight) == metrics(out), moments
-    a = load_file(os.path.join(straight, "hf", "model.safetensors"))
-    b = load_file(os.path.join(out, "hf", "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    kill_twice_then_resume("train_rm.py", args, out, straight, latest_sleep=0.3, seed=4)
+    assert_same_export(straight, out)
     config = json.load(open(os.path.join(out, "hf", "config.json")))
     straight_config = json.load(open(os.path.join(straight, "hf", "config.json")))
     assert config["reward_mean"] == straight_config["reward_mean"]
