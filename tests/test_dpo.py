@@ -15,11 +15,14 @@ from test_bad_input import assert_one_line_error
 
 from conftest import assert_same_export
 from conftest import assert_same_tensors
+from conftest import assert_steps_match
 from conftest import kill_twice_then_resume
 from conftest import latest
 from conftest import metrics
+from conftest import plain_steps
 from conftest import run
 from conftest import run_py
+from conftest import stage_args
 from conftest import write_dead_rows
 
 pytestmark = pytest.mark.slow
@@ -57,6 +60,52 @@ def straight(tmp_path_factory, dropout_start):
     out = str(tmp_path_factory.mktemp("dpo-straight"))
     run("train_dpo.py", *dpo(out, dropout_start))
     return out
+
+
+def test_the_steps_are_the_papers_loss_over_the_whole_batch(straight, dropout_start, one_rank):
+    """Two ranks, two micro-batches each, FSDP2 and fused AdamW log, step by step, what one process
+    computes from the whole global batch at once (`conftest.plain_steps`): the DPO loss (Rafailov
+    et al. 2023, eq. 7) averaged over the batch's pairs, the implicit rewards β·log(π/π_ref) of
+    eq. 5 and the responses' summed logprobs averaged as TRL logs them, the gradient's norm
+    before clipping, the rate. Policy and reference both without dropout, as in the paper's code."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    import common
+    import train_dpo
+
+    args = stage_args(train_dpo, *dpo(straight, dropout_start))
+    assert (args.loss_type, args.label_smoothing) == ("sigmoid", 0)  # eq. 7 as the paper writes it
+    model, tok = common.load_model_and_tokenizer(
+        args.model, AutoModelForCausalLM, args.attn_implementation
+    )
+    reference, _ = common.load_model_and_tokenizer(
+        args.model, AutoModelForCausalLM, args.attn_implementation
+    )
+    reference.requires_grad_(False)
+    train, _ = train_dpo.load_data(args, tok, common.context_length(args.model, model.config))
+
+    def logprob(model, ids, n_prompt):
+        """log pi(response | prompt): the response tokens' logprobs, summed."""
+        x = torch.tensor([ids])
+        logprobs = model(input_ids=x).logits[0].float().log_softmax(-1)  # [T, V]
+        return logprobs[n_prompt - 1 : -1].gather(1, x[0, n_prompt:, None]).sum()
+
+    def loss_fn(model, batch):
+        logps = {"chosen": [], "rejected": []}
+        rewards = {"chosen": [], "rejected": []}
+        for pair in batch:  # one unpadded sequence at a time
+            for name, (ids, n_prompt) in zip(("chosen", "rejected"), pair):
+                logp = logprob(model, ids, n_prompt)
+                logps[name].append(logp)
+                rewards[name].append(args.beta * (logp - logprob(reference, ids, n_prompt)))
+        chosen = torch.stack(rewards["chosen"])  # [B]
+        rejected = torch.stack(rewards["rejected"])  # [B]
+        row = {f"rewards/{name}": torch.stack(r).mean().item() for name, r in rewards.items()}
+        row.update({f"logps/{name}": torch.stack(p).mean().item() for name, p in logps.items()})
+        return -F.logsigmoid(chosen - rejected).mean(), row
+
+    assert_steps_match(straight, plain_steps(args, model, train, loss_fn, weight_decay=0.0))
 
 
 def test_dpo_first_loss_is_log_2(straight):

@@ -11,11 +11,14 @@ import torch
 import task
 from conftest import assert_same_export
 from conftest import assert_same_tensors
+from conftest import assert_steps_match
 from conftest import kill_twice_then_resume
 from conftest import latest
 from conftest import metrics
+from conftest import plain_steps
 from conftest import right_padded
 from conftest import run
+from conftest import stage_args
 from conftest import write_dead_rows
 
 pytestmark = pytest.mark.slow
@@ -36,6 +39,34 @@ def straight(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("rm-straight"))
     run("train_rm.py", *rm(out))
     return out
+
+
+def test_the_steps_are_the_papers_loss_over_the_whole_batch(straight, one_rank):
+    """Two ranks, two micro-batches each, FSDP2 and fused AdamW log, step by step, what one process
+    computes from the whole global batch at once (`conftest.plain_steps`): the Bradley-Terry loss
+    (Stiennon et al. 2020, eq. 1) averaged over the batch's pairs, each score as plain
+    transformers' sequence classifier reads it (at the last token of the unpadded sequence), the
+    share of pairs ranked right, the gradient's norm before clipping, the rate."""
+    import torch.nn.functional as F
+
+    import common
+    import train_rm
+
+    args = stage_args(train_rm, *rm(straight))
+    model, tok = train_rm.build_reward_model(args)  # the run's fresh head, drawn from --seed
+    train, _ = train_rm.load_data(args, tok, common.context_length(args.model, model.config))
+
+    def loss_fn(model, batch):
+        losses = []
+        right = 0
+        for pair in batch:  # one unpadded sequence at a time
+            r_chosen = model(input_ids=torch.tensor([pair.chosen])).logits[0, 0]
+            r_rejected = model(input_ids=torch.tensor([pair.rejected])).logits[0, 0]
+            losses.append(-F.logsigmoid(r_chosen - r_rejected - pair.margin))
+            right += int(r_chosen > r_rejected)
+        return torch.stack(losses).mean(), {"train/accuracy": right / len(batch)}
+
+    assert_steps_match(straight, plain_steps(args, model, train, loss_fn, args.weight_decay))
 
 
 def test_rm_resume_is_bitwise_exact(tmp_path, straight):

@@ -15,12 +15,15 @@ from safetensors.torch import load_file
 from conftest import REPO
 from conftest import TORCHRUN
 from conftest import assert_same_tensors
+from conftest import assert_steps_match
 from conftest import kill_tree
 from conftest import latest
 from conftest import metrics
+from conftest import plain_steps
 from conftest import rewrite_manifest
 from conftest import run
 from conftest import run_py
+from conftest import stage_args
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +51,35 @@ def straight(tmp_path_factory, addition_jsonl):
     out = str(tmp_path_factory.mktemp("straight"))
     run("train_sft.py", *sft(out, addition_jsonl))
     return out
+
+
+def test_the_steps_are_the_papers_loss_over_the_whole_batch(straight, addition_jsonl, one_rank):
+    """Two ranks, two micro-batches each, FSDP2 and fused AdamW log, step by step, what one process
+    computes from the whole global batch at once (`conftest.plain_steps`): the loss of Ouyang et
+    al. 2022's SFT, the mean negative log-likelihood over every response token of the batch, the
+    norm of its gradient before clipping, the rate."""
+    from transformers import AutoModelForCausalLM
+
+    import common
+    import train_sft
+
+    args = stage_args(train_sft, *sft(straight, addition_jsonl))
+    model, tok = common.load_model_and_tokenizer(
+        args.model, AutoModelForCausalLM, args.attn_implementation
+    )
+    model.train()
+    train, _ = train_sft.load_data(args, tok, common.context_length(args.model, model.config))
+
+    def loss_fn(model, batch):
+        nll = []
+        for ids, n_prompt in batch:  # one unpadded sequence at a time
+            x = torch.tensor([ids])
+            logprobs = model(input_ids=x).logits[0].float().log_softmax(-1)  # [T, V]
+            # token t is predicted at t - 1: the response's from the prompt's last token on
+            nll.append(-logprobs[n_prompt - 1 : -1].gather(1, x[0, n_prompt:, None]))
+        return torch.cat(nll).mean(), {}
+
+    assert_steps_match(straight, plain_steps(args, model, train, loss_fn, args.weight_decay))
 
 
 @pytest.mark.parametrize("k", [4, 6], ids=["epoch-boundary", "mid-epoch"])
