@@ -33,8 +33,10 @@ import math
 import numbers
 import operator
 import os
+import pickle
 import random
 import re
+import resource
 import signal
 import socket
 import sys
@@ -2183,6 +2185,14 @@ def load_error(path, e, flag="--model"):
         )
     lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [""]
     detail = lines[0]
+    if isinstance(e, pickle.UnpicklingError):
+        # torch's text: advice to load it unsafely, which plainrlhf never does
+        found = re.search(r"[Uu]nsupported (?:global: )?GLOBAL (\S+)", str(e))
+        what = f"the global {found.group(1)}" if found else "objects other than tensors"
+        return (
+            f"error: {flag} {path}: cannot load (its pickled weights hold {what}: torch's "
+            "weights-only loader refuses them, and plainrlhf unpickles nothing else)"
+        )
     if detail.endswith(":") and len(lines) > 1:
         # transformers' config validation says the field on one line and what is wrong with it
         # on the next ("Validation error for field 'rms_norm_eps':" / "TypeError: ... got str")
@@ -2302,6 +2312,7 @@ def _load_model_and_tokenizer(path, cls, attn_implementation, new_head, flag, kw
         kwargs["attn_implementation"] = attention
     check_architectures(config, path, flag)
     check_num_labels(path, config, kwargs.get("num_labels"), flag)
+    check_weights_cover_config(path, config, classifier_class(config, cls), flag)
     model, info = load_weights(path, classifier_class(config, cls), kwargs, flag)
     model.fresh_head = check_all_loaded(path, info["missing_keys"], new_head, flag)
     check_all_used(path, info["unexpected_keys"], model, flag)
@@ -2423,6 +2434,44 @@ def check_stored_dtypes(path, config, model, flag):
                     )
 
 
+def check_weights_cover_config(path, config, model_class, flag):
+    """The model config.json describes may not need more than twice the parameters the folder's
+    safetensors hold (their headers: nothing more is read), before transformers allocates it:
+    it builds the model, then initialises every weight the folder lacks, and only then does
+    `check_all_loaded` refuse them. A crafted num_hidden_layers of 4,000 over the tiny model's
+    4 layers took 3.9 GB (linear in the count: 40,000 took the machine) before that line. Counted
+    on the meta device (no memory); a classifier's head, which may be new, left out. A folder of
+    other weights (pytorch_model.bin) or a quantized one is left to transformers."""
+    if not os.path.isdir(path) or getattr(config, "quantization_config", None):
+        return
+    files = [os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors")]
+    stored = 0
+    for file in files:
+        try:
+            with safetensors.safe_open(file, framework="pt") as f:
+                stored += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        except (OSError, safetensors.SafetensorError):
+            return  # a cut or crafted file: from_pretrained says so in its own line
+    if not stored:
+        return
+    try:
+        with torch.device("meta"):
+            if hasattr(model_class, "_from_config"):  # a model class (`classifier_class`'s)
+                model = model_class._from_config(copy.deepcopy(config))
+            else:  # an Auto class
+                model = model_class.from_config(copy.deepcopy(config), trust_remote_code=False)
+    except Exception:  # what does not build on the meta device fails in from_pretrained, said there
+        return
+    needed = sum(
+        p.numel() for name, p in model.named_parameters() if not name.startswith(CLASSIFIER_HEADS)
+    )
+    if needed > 2 * stored:
+        raise SystemExit(
+            f"error: {flag} {path}: its config.json describes a model of {needed:,} parameters, "
+            f"its weights hold {stored:,}; is config.json this model's?"
+        )
+
+
 def stored_dtypes(file):
     """{tensor name: safetensors dtype name} from a file's header; {} for a file that is none
     (the model loaded, so what it read was whole: this is another file, an adapter, a leftover)."""
@@ -2475,6 +2524,8 @@ def load_weights(path, model_class, kwargs, flag):
 
 # A real template renders a prompt in milliseconds; a crafted one can loop for hours
 TEMPLATE_SECONDS = 60
+# ... and needs kilobytes: a crafted one can ask for all of the machine's memory (bytes)
+TEMPLATE_MEMORY = 1 << 30
 
 
 @contextlib.contextmanager
@@ -2485,10 +2536,56 @@ def render_time_limit(where):
     `watch_signals`). A SystemExit, which the `except Exception` around renders that may fail on
     purpose (a template that needs variables) does not take for the template's own refusal.
     SIGALRM, main thread only (where the stages render; elsewhere, no limit); a timer already
-    running (a harness's) is put back with what was left of it."""
+    running (a harness's) is put back with what was left of it. Memory too (`render_memory_limit`):
+    `{{ 'x' * 10**10 }}` took 10 GB per rank before the template's refusal."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    with render_memory_limit(where), _render_timer(where):
+        yield
+
+
+def render_memory_limit(where):
+    """At most TEMPLATE_MEMORY more of the process's data segment while a template renders
+    (RLIMIT_DATA over what it holds now, read from /proc; Linux counts every private writable
+    mapping in it since 4.7): jinja's sandbox caps a `range`, not a string's repetition, a
+    `center` filter or a concatenation that doubles, and a crafted template's MemoryError came
+    only once the machine (or a ulimit) was out of memory, the OOM killer first on a node of many
+    ranks. The limit is the process's, not the thread's: it is set only while no other Python
+    thread runs (the renders of the start-up, which try the template on every row), never beside
+    an asynchronous save's writer or a progress bar's monitor, which it would fail instead. Where
+    /proc has no VmData (not Linux), no limit."""
+    if threading.active_count() > 1:
+        return contextlib.nullcontext()
+    try:
+        with open("/proc/self/status") as f:
+            held = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    except (OSError, StopIteration, ValueError):
+        return contextlib.nullcontext()
+    limit = held + TEMPLATE_MEMORY
+    if soft != resource.RLIM_INFINITY and soft < limit:
+        return contextlib.nullcontext()  # a tighter limit of the user's stands
+
+    @contextlib.contextmanager
+    def limited():
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+        try:
+            yield
+        except MemoryError:
+            raise SystemExit(
+                f"error: {where}: the chat template takes more than {TEMPLATE_MEMORY >> 30} GiB "
+                "to render (a crafted one?)"
+            ) from None
+        finally:
+            resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+    return limited()
+
+
+@contextlib.contextmanager
+def _render_timer(where):
+    """render_time_limit's SIGALRM timer (main thread)."""
 
     def expire(signum, frame):
         raise SystemExit(

@@ -94,6 +94,25 @@ def _model_type(model_path):
     return AutoConfig.from_pretrained(model_path, trust_remote_code=False).model_type
 
 
+def _rope_cache_settings(model_path, max_model_len):
+    """vLLM computes its RoPE cos/sin table for every position config.json's
+    max_position_embeddings names, whatever max_model_len is: a crafted 2**24 took 11 GB (the
+    tiny model, one rank; 10**12 failed to allocate 4 TB). With plain RoPE (rope_type default, no
+    scaling, which alone reads no length) the rows below max_model_len are the same at any
+    length, so the table stops there; a scaled RoPE (YaRN, llama3, dynamic) computes its
+    frequencies from the lengths and is left as it is, as is a wrapper's text config."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=False)
+    rope = getattr(config, "rope_parameters", None)
+    length = getattr(config, "max_position_embeddings", None)
+    if config.get_text_config() is not config or not isinstance(rope, dict):
+        return {}
+    if rope.get("rope_type") != "default" or type(length) is not int or length <= max_model_len:
+        return {}
+    return {"hf_overrides": {"max_position_embeddings": max_model_len}}
+
+
 def check_reloadable(model_path, flag="--rollout_engine vllm"):
     """Refuse the vLLM engine, in one line, for a family whose weights it cannot take anew."""
     family = _model_type(model_path)
@@ -172,6 +191,7 @@ class VLLMEngine:
             use_tqdm_on_load=False,  # a local folder loads in moments: no bar per rank and load
         )
         kwargs.update(_device_settings(self.gpu, gpu_memory_utilization, enforce_eager))
+        kwargs.update(_rope_cache_settings(model_path, max_model_len))
         before = _model_classes()
         self.llm = _start_llm(kwargs, flag)
         _keep_decoration_to_the_engine(self.llm, before)

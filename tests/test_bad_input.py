@@ -936,6 +936,26 @@ def an_unused_weight(tensors):
     tensors["model.layers.9.mlp.up_proj.weight"] = torch.zeros(2, 2)
 
 
+class RunsCode:
+    """A pickle whose loading would run a command (it touches a file beside it)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def pickled_weights_that_run_code(folder):
+    """A damage: the weights as pytorch_model.bin, a payload among the tensors."""
+    import safetensors.torch
+
+    tensors = safetensors.torch.load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    tensors["payload"] = RunsCode(folder / "pwned")
+    torch.save(tensors, folder / "pytorch_model.bin")
+
+
 @pytest.mark.parametrize(
     "damage,needle",
     [
@@ -1048,6 +1068,33 @@ def an_unused_weight(tensors):
             edit_json("tokenizer_config.json", {"bos_token": "<bos>"}),
             "bos_token '<bos>' is not in tokenizer.json",
         ),
+        (
+            # transformers allocated and initialised the layers the weights lack (4,000 layers:
+            # 3.9 GB) before check_all_loaded refused them (`common.check_weights_cover_config`)
+            edit_json("config.json", {"num_hidden_layers": 400}),
+            "its config.json describes a model of 85,332,096 parameters, its weights hold 885,888",
+        ),
+        (
+            # 10 GB per rank, refused only by a MemoryError (`common.render_memory_limit`)
+            edit_json("tokenizer_config.json", {"chat_template": "{{ 'x' * 10**10 }}"}),
+            "the chat template takes more than 1 GiB to render",
+        ),
+        (
+            edit_json(
+                "tokenizer_config.json",
+                {
+                    "chat_template": "{% set ns = namespace(s='x') %}{% for i in range(40) %}"
+                    "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}"
+                },
+            ),
+            "the chat template takes more than 1 GiB to render",
+        ),
+        (
+            # torch's own text advised loading it with the unsafe loader
+            pickled_weights_that_run_code,
+            "cannot load (its pickled weights hold the global posix.system: torch's weights-only "
+            "loader refuses them, and plainrlhf unpickles nothing else)",
+        ),
     ],
     ids=[
         "config-field-type",
@@ -1078,6 +1125,10 @@ def an_unused_weight(tensors):
         "sampling-without-do-sample",
         "eos-token-not-in-tokenizer-json",
         "bos-token-not-in-tokenizer-json",
+        "layers-beyond-the-weights",
+        "template-a-huge-string",
+        "template-a-doubling-string",
+        "pickled-weights-running-code",
     ],
 )
 def test_a_crafted_model_folder_is_one_line(tmp_path, damage, needle):
@@ -1100,6 +1151,7 @@ def test_a_crafted_model_folder_is_one_line(tmp_path, damage, needle):
         common.load_model_and_tokenizer(str(model_dir), AutoModelForCausalLM)
     line = exit_info.value.code
     assert line.startswith(f"error: --model {model_dir}") and needle in line, line
+    assert not (model_dir / "pwned").exists(), "the folder's pickle ran"
 
 
 def test_a_config_transformers_accepts_but_cannot_run_is_one_line(tmp_path):

@@ -1927,3 +1927,25 @@ def test_vllms_sets_in_an_error_line_are_ordered():
         rollout._sorted_sets(line)
         == "are: {'a, b', 'o.weight', 'qkv.bias'} and {'z'}; {1, 2} stays"
     )
+
+
+def test_vllms_rope_table_stops_at_the_engines_length(tmp_path):
+    """vLLM computes its RoPE cos/sin table for every position config.json names: a crafted
+    max_position_embeddings of 2**24 took 11 GB on the tiny model, 10**12 a failed 4 TB
+    allocation. With plain RoPE the engine's table stops at its own max_model_len (the rows below
+    it are the same at any length); a scaled RoPE, computed from the lengths, is left alone."""
+    task.ensure_tiny_model()
+    folder = tmp_path / "model"
+    shutil.copytree(task.TINY_MODEL, folder)
+    config = json.loads((folder / "config.json").read_text())
+
+    def with_config(**change):
+        (folder / "config.json").write_text(json.dumps({**config, **change}))
+        return str(folder)
+
+    long = with_config(max_position_embeddings=2**24)
+    want = {"hf_overrides": {"max_position_embeddings": 96}}
+    assert rollout._rope_cache_settings(long, 96) == want
+    assert rollout._rope_cache_settings(task.TINY_MODEL, 64) == {}  # no longer than needed
+    scaled = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    assert rollout._rope_cache_settings(with_config(rope_parameters=scaled), 16) == {}
