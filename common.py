@@ -618,6 +618,16 @@ def read_on_every_rank(what, read):
     return result
 
 
+def on_every_rank(what, fn, *args):
+    """Collective: fn(*args) on every rank, its one-line error (a SystemExit) agreed as
+    `read_on_every_rank` agrees a read's: for the checks a rank makes of its own share (a user's
+    reward rule scoring this rank's responses, a reward model's context), which fail on the ranks
+    that met the bad case alone. The others went on into the next collective and said a second,
+    misleading line ("collective all_reduce failed: Connection closed by peer") on gloo, or waited
+    there until torchrun ended them on NCCL."""
+    return read_on_every_rank(what, lambda: (fn(*args), ""))
+
+
 def check_same_reads(what, views):
     """read_on_every_rank's verdict on every rank's (digest, error, host): the first rank that
     failed to read, or that read other contents than rank 0, in one line."""
@@ -3265,6 +3275,7 @@ def end_of_step(args, step, device, roles, meta, hf_objs, before_save=None):
     last = signalled or step == args.max_steps or step == args.stop_at_step
     saved = None
     if due or last:
+        check_updated_weights(roles, step, device)
         if before_save is not None:
             before_save()  # may be collective: every rank saves here, or none
         meta = {**meta, "args": vars(args), **run_identity(args)}
@@ -3288,6 +3299,28 @@ def end_of_step(args, step, device, roles, meta, hf_objs, before_save=None):
             reason = "signal"
         print0(f"stopping after step {step} ({reason}); go on with --resume latest")
     return saved, stop
+
+
+def check_updated_weights(roles, step, device):
+    """Collective: stop with one line before a save if an update left a weight that is not
+    finite. The gradient norm (`clip_grad_norm`) shows a divergence only at the step after the
+    update that overflowed (an --lr of 3e38 makes a finite norm and NaN weights), so that step's
+    save committed them as `latest`, pruned the good checkpoints under --keep_last, and its export
+    failed. One pass over this rank's shards in chunks (no bool copy of a whole embedding), one
+    host sync and one all_reduce per save (every rank stops, or none)."""
+    bad = torch.zeros((), device=device)
+    for model, _ in roles.values():
+        for param in model.parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            for chunk in local.detach().reshape(-1).split(2**24):
+                bad = torch.maximum(bad, (~torch.isfinite(chunk)).any().float())
+    # the ranks hold other shards: a NaN in one rank's shard stops all of them
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if bad.item():
+        raise SystemExit(
+            f"error: step {step}'s update left weights that are not finite: training diverged (a "
+            "--lr too high?); this step was not saved, and an earlier checkpoint stays latest"
+        )
 
 
 def local_dir(args):

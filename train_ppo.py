@@ -1233,16 +1233,26 @@ def score(args, tok, models, rows, prompt_ids, responses, finished, device):
     sharded forward). rows [B]: each sample's data row; prompt_ids [B]: the ids it answers."""
     if models.reward_model is None:
         texts = tok.batch_decode(responses, skip_special_tokens=True)
-        return rule_reward(args, rows, texts)
+        return common.on_every_rank(f"--reward_fn {args.reward_fn}", rule_reward, args, rows, texts)
     data_prompts = [row["prompt"] for row in rows]
     reward_tok = models.reward_tokenizer
     texts = written_texts(tok, data_prompts, prompt_ids, responses, finished)
     sequences = reward_model_inputs(reward_tok, data_prompts, texts, finished)
-    check_reward_context(args.reward_model, models.reward_context, sequences, data_prompts)
+    where = f"--reward_model {args.reward_model}"
+    # each rank checks its own responses: agreed before the sharded forward, which a rank that
+    # stopped alone would leave the others waiting in
+    context = models.reward_context
+    common.on_every_rank(
+        where, check_reward_context, args.reward_model, context, sequences, data_prompts
+    )
     scores = reward_model_scores(
         models.reward_model, sequences, reward_tok.pad_token_id, args.micro_batch_size, device
     )
-    where = f"--reward_model {args.reward_model}"
+    return common.on_every_rank(where, finite_reward_model_scores, models, scores, where)
+
+
+def finite_reward_model_scores(models, scores, where):
+    """(scores [B], normalised unless --reward_norm false, {}); one line if one is not finite."""
     check_finite_scores(scores, f"{where}: its score is not finite (NaN or inf in its weights?)")
     if models.reward_norm is None:
         return scores, {}
@@ -1298,7 +1308,10 @@ def gold_scores(args, tok, rows, responses):
     """Scores [B] from --gold_reward_fn: the rule a learned reward stands in for, logged beside it
     and never trained on (the proxy/gold picture of Gao et al. 2022). rows [B]: the data rows."""
     texts = tok.batch_decode(responses, skip_special_tokens=True)
-    return rule_scores(args.gold_reward_fn, rows, texts, "--gold_reward_fn")
+    what = f"--gold_reward_fn {args.gold_reward_fn}"
+    return common.on_every_rank(
+        what, rule_scores, args.gold_reward_fn, rows, texts, "--gold_reward_fn"
+    )
 
 
 def reward_model_inputs(reward_tok, data_prompts, response_texts, finished):
@@ -1590,13 +1603,13 @@ def evaluate(args, engine, tok, models, items, device):
     gold_sum = 0.0
     if args.gold_reward_fn:
         gold = gold_scores(args, tok, rows, gen.response_ids)
-        gold_sum = gold[:counted].sum().item()
+        gold_sum = gold[:counted].double().sum().item()
     # every rank scored a share: the means are over all of them
-    local = {"score": scores[:counted].sum().item(), "count": counted, "gold": gold_sum}
+    local = {"score": scores[:counted].double().sum().item(), "count": counted, "gold": gold_sum}
     # the rules' own scores, under their evaluation names ("objective/rule/..." in training)
     rules = {f"eval/{name}": part for name, part in parts.items()}
     for name, part in rules.items():
-        local[name] = part[:counted].sum().item()
+        local[name] = part[:counted].double().sum().item()
     totals = common.global_sums(local, device)
     metrics = {"eval/accuracy": totals["score"] / totals["count"]}
     if args.gold_reward_fn:
@@ -1631,7 +1644,7 @@ def rollout_sums(raw_scores, gen, exp, gap, gold, rule_parts):
     mask = exp.batch.response_mask
     sums = {
         "logprob_gap": gap.sum().item(),
-        "score": raw_scores.sum().item(),
+        "score": raw_scores.double().sum().item(),  # float32 sums of finite scores overflow
         "finished": float(sum(gen.finished)),
         "responses": len(raw_scores),
         "nll": (-exp.old_logprobs * mask).sum().item(),
@@ -1640,9 +1653,9 @@ def rollout_sums(raw_scores, gen, exp, gap, gold, rule_parts):
     if exp.ref_logprobs is not None:  # else no reference, and no KL to it is measured
         sums["kl"] = kl_k1(exp.old_logprobs, exp.ref_logprobs, mask).sum().item()
     if gold is not None:
-        sums["gold_score"] = gold.sum().item()
+        sums["gold_score"] = gold.double().sum().item()
     for name, scores in rule_parts.items():
-        sums[f"objective/{name}"] = scores.sum().item()
+        sums[f"objective/{name}"] = scores.double().sum().item()
     return sums
 
 

@@ -17,6 +17,7 @@ from conftest import REPO
 from conftest import THINKING_TEMPLATE
 from conftest import latest
 from conftest import rewrite_manifest
+from conftest import run
 from conftest import run_py
 
 # What the project itself writes to stderr besides an error: its warnings and notes, and
@@ -540,6 +541,45 @@ def test_a_diverging_run_stops_before_saving_nan(tmp_path):
     p = run_py("train_sft.py", *args, "--save_every", 1, "--keep_last", 1)
     assert_one_line_error(p, "the policy's gradient norm is nan", "training diverged")
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step-00000001"]
+
+
+def test_an_update_that_leaves_weights_not_finite_is_never_saved(tmp_path):
+    """--lr 3e38 (step 1 trains at rate 0, the warmup's first): step 2's update overflows the
+    weights while its gradient norm is finite, so only step 3's norm would have said so. Step 2
+    was saved as latest, --keep_last 1 pruned step 1, the export failed and no resume could load
+    what was left. Refused before the save now (`common.check_updated_weights`; helper 76)."""
+    args = ("--out_dir", tmp_path, "--lr", 3e38, "--warmup_steps", 1, "--max_steps", 3)
+    p = run_py("train_sft.py", *args, "--save_every", 1, "--keep_last", 1)
+    assert_one_line_error(p, "step 2's update left weights that are not finite")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step-00000001"]
+
+
+RANK_ONE_FAILS = """
+import os
+
+def f(prompt, response):
+    if os.environ["RANK"] == "1":
+        raise ValueError("on rank 1")
+    return 1.0
+"""
+
+
+@pytest.mark.slow
+def test_a_rule_failing_on_one_rank_stops_every_rank_with_its_line(tmp_path):
+    """A rule that raises on one rank's responses only (a response only that rank sampled) stops
+    both ranks with its one line; the other went on into the next collective and said a second
+    line there ("collective all_reduce failed: Connection closed by peer") on gloo, or waited
+    in it on NCCL (`common.on_every_rank`; helper 76)."""
+    (tmp_path / "rank_rule.py").write_text(RANK_ONE_FAILS)
+    task.ensure_tiny_model()
+    args = ("--model", task.TINY_MODEL, "--out_dir", tmp_path / "out", "--rollout_engine", "hf")
+    args += ("--reward_fn", "rank_rule:f", "--eval_samples", 4, "--max_steps", 1)
+    args += ("--rollout_batch_size", 4, "--train_batch_size", 8, "--micro_batch_size", 4)
+    # env: a torchrun of its own (torchrun's report follows the line here: launch.sh drops it)
+    p = run("train_ppo.py", *args, check=False, env={"PYTHONPATH": str(tmp_path)})
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    needle = "--reward_fn rank_rule:f raised ValueError('on rank 1')"
+    assert len(errors) == 1 and needle in errors[0], p.stderr[-3000:]
 
 
 def test_the_documented_off_values_are_accepted(tmp_path, monkeypatch):
