@@ -925,7 +925,16 @@ def _verify_layout(path):
             raise CheckpointError(f"{where}: not a regular file (a symlink, FIFO or device)")
         if rel != "manifest.json" and rel not in manifest["files"]:
             raise CheckpointError(f"{where}: not listed in the manifest")
+    for rel in manifest["files"]:
+        _check_plain_name(path, rel)  # "../x" was "missing" (never read) where x was there
     return manifest, entries
+
+
+def _check_plain_name(path, rel):
+    """A manifest's or a store listing's name is a path inside the checkpoint: no part of it
+    empty, "." or "..", which would name a file outside it."""
+    if any(part in ("", ".", "..") for part in rel.split("/")):
+        raise CheckpointError(f"{os.path.join(path, rel)}: not a plain name inside the checkpoint")
 
 
 def _owners(sizes, world):
@@ -1053,8 +1062,7 @@ def _verify_store(path):
     found = _store_call(objstore.listing, path)
     for rel in sorted(set(found) | set(manifest["files"])):
         where = os.path.join(path, rel)
-        if any(part in ("", ".", "..") for part in rel.split("/")):
-            raise CheckpointError(f"{where}: not a plain name inside the checkpoint")
+        _check_plain_name(path, rel)
         if rel != "manifest.json" and rel not in manifest["files"]:
             raise CheckpointError(f"{where}: not listed in the manifest")
         if rel not in found:

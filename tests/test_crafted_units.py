@@ -54,6 +54,18 @@ def test_a_fifo_fails_verification_without_hanging(tmp_path, listed):
     assert_cli_refuses(tmp_path, "sub/fifo: not a regular file")
 
 
+@pytest.mark.parametrize("rel", ["../outside.bin", "sub/../a.bin", "sub//b.bin"])
+def test_a_listed_name_outside_the_checkpoint_fails_verification(tmp_path, rel):
+    """A manifest naming a file by a path that leaves the checkpoint (or names one of its files a
+    second way): never read, and said as such, where "../x" was "missing" though x was there."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    write_small_checkpoint(folder)
+    (tmp_path / "outside.bin").write_bytes(b"0123456789")
+    manifest_lists(folder, rel)
+    assert_cli_refuses(folder, f"{rel}: not a plain name inside the checkpoint")
+
+
 def test_unlisted_files_and_symlinked_folders_fail_verification(tmp_path):
     write_small_checkpoint(tmp_path)
     (tmp_path / "sub" / "extra.py").write_text("print('hi')\n")
