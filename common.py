@@ -394,6 +394,7 @@ def init_distributed(seed, timeout_minutes=30.0):
     Collectives fail after timeout_minutes (a peer dead or stuck), where they would hang forever.
     Returns (rank, world size, device)."""
     if "RANK" in os.environ:
+        watch_launcher()
         check_restarts_can_meet()
         store, rank, world = next(dist.rendezvous("env://"))
     else:
@@ -499,6 +500,35 @@ SIGNALS = []  # SIGTERM/SIGUSR1 received: the step ends with a checkpoint, then 
 
 def note_signal(signum, frame):
     SIGNALS.append(signum)
+
+
+# the thread of `watch_launcher` (which `render_memory_limit` may run beside)
+WATCH_LAUNCHER = "watch-launcher"
+
+
+def watch_launcher(period=0.2):
+    """Under torchrun, a rank ends when its launcher is gone. torchrun starts each rank in a
+    session of its own, so a SIGKILL of the launcher's process group (`kill -9 -- -PGID`, what a
+    shell or a supervisor sends to "the job") reaches torchrun only: its orphaned ranks trained
+    on, wrote checkpoints into --out_dir, held its lock (a `--resume latest` right after was
+    refused as "another run"), and failed at the export for want of torchrun's store. A thread
+    watches the parent; once it changes (reparented to init or a subreaper), the rank SIGKILLs
+    itself, as if the kill had reached it: what the commit protocol is built to survive."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # not started by torchrun (an elastic agent)
+        return
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(period)
+        print(
+            f"error: rank {os.environ.get('RANK')}: its launcher (pid {parent}) is gone; stopping",
+            file=sys.stderr,
+            flush=True,
+        )
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name=WATCH_LAUNCHER, daemon=True).start()
 
 
 def watch_signals():
@@ -2562,10 +2592,12 @@ def render_memory_limit(where):
     `center` filter or a concatenation that doubles, and a crafted template's MemoryError came
     only once the machine (or a ulimit) was out of memory, the OOM killer first on a node of many
     ranks. The limit is the process's, not the thread's: it is set only while no other Python
-    thread runs (the renders of the start-up, which try the template on every row), never beside
-    an asynchronous save's writer or a progress bar's monitor, which it would fail instead. Where
-    /proc has no VmData (not Linux), no limit."""
-    if threading.active_count() > 1:
+    thread runs but `watch_launcher`'s, which allocates nothing (the renders of the start-up,
+    which try the template on every row), never beside an asynchronous save's writer or a
+    progress bar's monitor, which it would fail instead. Where /proc has no VmData (not Linux),
+    no limit."""
+    others = [t for t in threading.enumerate() if t is not threading.current_thread()]
+    if any(t.name != WATCH_LAUNCHER for t in others):
         return contextlib.nullcontext()
     try:
         with open("/proc/self/status") as f:

@@ -156,6 +156,40 @@ def test_sigterm_to_the_launcher_saves_at_the_step_and_exits_0(tmp_path, straigh
     assert metrics(straight) == metrics(out)
 
 
+def test_a_sigkill_of_the_launcher_alone_ends_its_ranks(tmp_path, addition_jsonl):
+    """`kill -9 -- -PGID` of torchrun's process group (what a shell or a supervisor sends to the
+    job) reaches torchrun alone: it starts each rank in a session of its own. Its orphaned ranks
+    trained on into --out_dir, held its lock against the resume (and, killed before their
+    rendezvous, slept for ever). Each rank now ends itself once its launcher is gone
+    (`common.watch_launcher`), and the resume goes on at once from the last commit (helper 75)."""
+    out = str(tmp_path)
+    long_run = ("--max_steps", 1000, "--save_every", 1)
+    # torchrun itself (`popen_torchrun`'s ranks, forked by torch.multiprocessing, die with it)
+    args = [TORCHRUN, "--standalone", "--nproc_per_node=2", "train_sft.py"]
+    args += map(str, sft(out, addition_jsonl, *long_run))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen(
+        args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    wait_for(lambda: logged_steps(out) >= 3, proc)
+    ranks = list(workers(proc.pid).values())
+    assert len(ranks) == 2
+    os.kill(proc.pid, signal.SIGKILL)  # torchrun alone
+    proc.wait()
+    _, alive = psutil.wait_procs(ranks, timeout=30)
+    for rank in alive:  # (without the watch: end them here, not 1000 steps later)
+        rank.kill()
+    assert not alive, "the ranks trained on without their launcher"
+    k = int(latest(out)[-8:])
+    p = run(
+        "train_sft.py",
+        *sft(out, addition_jsonl, *long_run, "--resume", "latest"),
+        "--stop_at_step",
+        k + 1,
+    )
+    assert f"at step {k}" in p.stdout + p.stderr
+
+
 def launch_sft(out, addition_jsonl):
     """`./launch.sh sft` on 2 ranks, its output piped."""
     env = {**os.environ, "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())}
