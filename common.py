@@ -2480,26 +2480,36 @@ def check_weights_cover_config(path, config, model_class, flag):
     it builds the model, then initialises every weight the folder lacks, and only then does
     `check_all_loaded` refuse them. A crafted num_hidden_layers of 4,000 over the tiny model's
     4 layers took 3.9 GB (linear in the count: 40,000 took the machine) before that line. Counted
-    on the meta device (no memory); a classifier's head, which may be new, left out. A folder of
-    other weights (pytorch_model.bin) or a quantized one is left to transformers."""
+    on the meta device (no memory for the weights, but ~36 KB of modules a layer: 10**6 layers
+    took 36 GB there, so the build stops past 16 times the folder's tensors and
+    WEIGHT_TENSORS_BEYOND more); a classifier's head, which may be new, left out. A folder of
+    other weights (pytorch_model.bin, whatever other .safetensors lie beside it) or a quantized
+    one is left to transformers."""
     if not os.path.isdir(path) or getattr(config, "quantization_config", None):
         return
-    files = [os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors")]
     stored = 0
-    for file in files:
+    tensors = 0
+    for file in loaded_safetensors(path):
         try:
             with safetensors.safe_open(file, framework="pt") as f:
                 stored += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+                tensors += len(f.keys())
         except (OSError, safetensors.SafetensorError):
             return  # a cut or crafted file: from_pretrained says so in its own line
     if not stored:
         return
+    most = 16 * tensors + WEIGHT_TENSORS_BEYOND
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), parameters_at_most(most):
             if hasattr(model_class, "_from_config"):  # a model class (`classifier_class`'s)
                 model = model_class._from_config(copy.deepcopy(config))
             else:  # an Auto class
                 model = model_class.from_config(copy.deepcopy(config), trust_remote_code=False)
+    except TooManyParameters:
+        raise SystemExit(
+            f"error: {flag} {path}: its config.json describes a model of more than {most:,} "
+            f"weight tensors, its weights hold {tensors:,}; is config.json this model's?"
+        ) from None
     except Exception:  # what does not build on the meta device fails in from_pretrained, said there
         return
     needed = sum(
@@ -2510,6 +2520,52 @@ def check_weights_cover_config(path, config, model_class, flag):
             f"error: {flag} {path}: its config.json describes a model of {needed:,} parameters, "
             f"its weights hold {stored:,}; is config.json this model's?"
         )
+
+
+# check_weights_cover_config's meta build stops past 16 times the folder's tensors and this many
+WEIGHT_TENSORS_BEYOND = 10_000
+
+
+class TooManyParameters(BaseException):
+    """`parameters_at_most`'s stop (not an Exception: no `except Exception` in a model's
+    constructor takes it)."""
+
+
+@contextlib.contextmanager
+def parameters_at_most(most):
+    """Stop (TooManyParameters) a model's construction at its `most`+1th parameter registered."""
+    count = 0
+
+    def hook(module, name, param):
+        nonlocal count
+        if param is not None:
+            count += 1
+            if count > most:
+                raise TooManyParameters
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def loaded_safetensors(path):
+    """The safetensors files from_pretrained reads of a model folder, in its order of choice:
+    model.safetensors, else the shards model.safetensors.index.json names; none where it reads
+    other weights (pytorch_model.bin: an adapter_model.safetensors beside it is not the model)."""
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        return []
+    try:
+        with open(index) as f:
+            shards = set(json.load(f)["weight_map"].values())
+        return [os.path.join(path, name) for name in sorted(shards)]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []  # from_pretrained says what is wrong with it
 
 
 def stored_dtypes(file):
@@ -2593,9 +2649,9 @@ def render_memory_limit(where):
     only once the machine (or a ulimit) was out of memory, the OOM killer first on a node of many
     ranks. The limit is the process's, not the thread's: it is set only while no other Python
     thread runs but `watch_launcher`'s, which allocates nothing (the renders of the start-up,
-    which try the template on every row), never beside an asynchronous save's writer or a
-    progress bar's monitor, which it would fail instead. Where /proc has no VmData (not Linux),
-    no limit."""
+    which try the template on every row, and those of the steps: tqdm's monitor thread is off),
+    never beside an asynchronous save's writer, which it would fail instead. Where /proc has no
+    VmData (not Linux), no limit."""
     others = [t for t in threading.enumerate() if t is not threading.current_thread()]
     if any(t.name != WATCH_LAUNCHER for t in others):
         return contextlib.nullcontext()
@@ -3476,6 +3532,12 @@ def quiet_console(verbose):
     huggingface_hub.utils.logging.set_verbosity_error()
     logging.getLogger("torch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
+
+
+# No tqdm monitor thread: it lives from the first bar to the process's end (tqdm 4.70 never stops
+# it), and any other thread turns `render_memory_limit` off (rank 0's renders after its bar, every
+# render after a --verbose load's bars). The bars here are updated every step: nothing to watch.
+tqdm.monitor_interval = 0
 
 
 # The job's rendezvous store, kept by init_distributed: through it the ranks of a node share

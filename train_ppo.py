@@ -1234,21 +1234,31 @@ def score(args, tok, models, rows, prompt_ids, responses, finished, device):
     if models.reward_model is None:
         texts = tok.batch_decode(responses, skip_special_tokens=True)
         return common.on_every_rank(f"--reward_fn {args.reward_fn}", rule_reward, args, rows, texts)
-    data_prompts = [row["prompt"] for row in rows]
-    reward_tok = models.reward_tokenizer
-    texts = written_texts(tok, data_prompts, prompt_ids, responses, finished)
-    sequences = reward_model_inputs(reward_tok, data_prompts, texts, finished)
     where = f"--reward_model {args.reward_model}"
-    # each rank checks its own responses: agreed before the sharded forward, which a rank that
+    # each rank encodes and checks its own responses (the templates' renders, time- and
+    # memory-limited, may stop it too): agreed before the sharded forward, which a rank that
     # stopped alone would leave the others waiting in
-    context = models.reward_context
-    common.on_every_rank(
-        where, check_reward_context, args.reward_model, context, sequences, data_prompts
+    sequences = common.on_every_rank(
+        where, reward_model_sequences, args, tok, models, rows, prompt_ids, responses, finished
     )
     scores = reward_model_scores(
-        models.reward_model, sequences, reward_tok.pad_token_id, args.micro_batch_size, device
+        models.reward_model,
+        sequences,
+        models.reward_tokenizer.pad_token_id,
+        args.micro_batch_size,
+        device,
     )
     return common.on_every_rank(where, finite_reward_model_scores, models, scores, where)
+
+
+def reward_model_sequences(args, tok, models, rows, prompt_ids, responses, finished):
+    """The reward model's token ids [B][len] for the responses (`reward_model_inputs`), each
+    within its context (`check_reward_context`)."""
+    data_prompts = [row["prompt"] for row in rows]
+    texts = written_texts(tok, data_prompts, prompt_ids, responses, finished)
+    sequences = reward_model_inputs(models.reward_tokenizer, data_prompts, texts, finished)
+    check_reward_context(args.reward_model, models.reward_context, sequences, data_prompts)
+    return sequences
 
 
 def finite_reward_model_scores(models, scores, where):

@@ -1115,6 +1115,12 @@ def pickled_weights_that_run_code(folder):
             "its config.json describes a model of 85,332,096 parameters, its weights hold 885,888",
         ),
         (
+            # the meta build itself took ~36 KB and 0.7 ms a layer: 10**6 layers, 36 GB
+            edit_json("config.json", {"num_hidden_layers": 10**6}),
+            "its config.json describes a model of more than 10,624 weight tensors, its weights "
+            "hold 39",
+        ),
+        (
             # 10 GB per rank, refused only by a MemoryError (`common.render_memory_limit`)
             edit_json("tokenizer_config.json", {"chat_template": "{{ 'x' * 10**10 }}"}),
             "the chat template takes more than 1 GiB to render",
@@ -1166,6 +1172,7 @@ def pickled_weights_that_run_code(folder):
         "eos-token-not-in-tokenizer-json",
         "bos-token-not-in-tokenizer-json",
         "layers-beyond-the-weights",
+        "layers-a-million",
         "template-a-huge-string",
         "template-a-doubling-string",
         "pickled-weights-running-code",
@@ -1434,3 +1441,24 @@ def test_a_chat_template_that_never_ends_is_one_line(tmp_path, monkeypatch):
         assert 99 < signal.getitimer(signal.ITIMER_REAL)[0] <= 100
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def test_a_bin_folder_with_an_adapter_beside_it_loads(tmp_path):
+    """from_pretrained reads pytorch_model.bin where the folder has no model.safetensors: an
+    adapter_model.safetensors kept beside a merged model is not its weights, and was counted as
+    them (`common.check_weights_cover_config`: "describes a model of 885,888 parameters, its
+    weights hold 512")."""
+    import safetensors.torch
+    from transformers import AutoModelForCausalLM
+
+    import common
+
+    task.ensure_tiny_model()
+    folder = tmp_path / "model"
+    shutil.copytree(task.TINY_MODEL, folder)
+    tensors = safetensors.torch.load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    torch.save(tensors, folder / "pytorch_model.bin")
+    adapter = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 64)}
+    safetensors.torch.save_file(adapter, str(folder / "adapter_model.safetensors"))
+    common.load_model_and_tokenizer(str(folder), AutoModelForCausalLM)
