@@ -930,6 +930,8 @@ def truncate_jsonl(path, step):
         os.unlink(tmp)  # a killed truncation's (a symlink itself, never its target)
     with checkpoint.open_regular(tmp, "x") as f:
         f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())  # the rows on disk before the name moves: a power cut keeps one file
     os.replace(tmp, path)
 
 
@@ -3407,7 +3409,7 @@ def check_updated_weights(roles, step, device):
     if bad.item():
         raise SystemExit(
             f"error: step {step}'s update left weights that are not finite: training diverged (a "
-            "--lr too high?); this step was not saved, and an earlier checkpoint stays latest"
+            "--lr too high?); this step was not saved, and the checkpoints before it are kept"
         )
 
 
