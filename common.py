@@ -518,17 +518,54 @@ def watch_launcher(period=0.2):
         return
     parent = os.getppid()
 
+    def stop(launcher=f" (pid {parent})"):
+        # one write: two ranks' print()s (text, then its newline) glued their lines together
+        rank = os.environ.get("RANK")
+        sys.stderr.flush()
+        os.write(2, f"error: rank {rank}: its launcher{launcher} is gone; stopping\n".encode())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    # Gone already (killed while this rank imported, before this line): the parent seen is the
+    # reaper, and the rank would wait out the rendezvous' timeout (30 minutes) on a dead store.
+    if launcher_gone(parent):
+        stop("")
+
     def watch():
         while os.getppid() == parent:
             time.sleep(period)
-        print(
-            f"error: rank {os.environ.get('RANK')}: its launcher (pid {parent}) is gone; stopping",
-            file=sys.stderr,
-            flush=True,
-        )
-        os.kill(os.getpid(), signal.SIGKILL)
+        stop()
 
     threading.Thread(target=watch, name=WATCH_LAUNCHER, daemon=True).start()
+
+
+# launch.sh's torchrun (and tests/forked_torchrun.py) name itself to its ranks by this variable
+LAUNCHER_PID = "PLAINRLHF_LAUNCHER_PID"
+
+
+def launcher_gone(parent):
+    """Whether this rank's launcher is gone before `watch_launcher` began watching its `parent`:
+    the launcher that named itself (LAUNCHER_PID) is not among this process's ancestors (a
+    forkserver may stand between), or, where none did (torchrun itself), the parent is init while
+    init is no torchrun (one that is a container's first process is the ranks' parent, pid 1)."""
+    named = os.environ.get(LAUNCHER_PID, "")
+    if named.isdigit():
+        pid = parent
+        while pid > 1:
+            if pid == int(named):
+                return False
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    pid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                return False  # no /proc (not Linux): not known to be gone
+        return int(named) != pid
+    if parent != 1:
+        return False
+    try:
+        with open("/proc/1/cmdline", "rb") as f:
+            return b"torch" not in f.read()
+    except OSError:
+        return False
 
 
 def watch_signals():
@@ -2535,12 +2572,15 @@ class TooManyParameters(BaseException):
 
 @contextlib.contextmanager
 def parameters_at_most(most):
-    """Stop (TooManyParameters) a model's construction at its `most`+1th parameter registered."""
+    """Stop (TooManyParameters) a model's construction at its `most`+1th parameter registered.
+    torch's hook is every thread's: only this thread's registrations count (another thread's
+    model would have been stopped instead)."""
     count = 0
+    owner = threading.get_ident()
 
     def hook(module, name, param):
         nonlocal count
-        if param is not None:
+        if param is not None and threading.get_ident() == owner:
             count += 1
             if count > most:
                 raise TooManyParameters

@@ -66,6 +66,7 @@ setup() {
 # keeps torchrun from setting its own), and ends when the ranks have saved and exited.
 QUIET_TORCHRUN='
 import logging
+import os
 import signal
 import sys
 
@@ -77,6 +78,7 @@ for name in list(logging.root.manager.loggerDict):
         logging.getLogger(name).setLevel(logging.CRITICAL)
 for sig in (signal.SIGTERM, signal.SIGUSR1):
     signal.signal(sig, lambda *_: None)
+os.environ["PLAINRLHF_LAUNCHER_PID"] = str(os.getpid())  # `common.watch_launcher`
 try:
     main(sys.argv[1:])
 except ChildFailedError as e:

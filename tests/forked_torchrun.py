@@ -81,6 +81,7 @@ def main():
     args = torch.distributed.run.parse_args(sys.argv[1:])
     args.run_path = True
     args.start_method = "fork"
+    os.environ["PLAINRLHF_LAUNCHER_PID"] = str(os.getpid())  # as launch.sh's torchrun does
     record(torch.distributed.run.run)(args)
 
 

@@ -13,6 +13,7 @@ import time
 import psutil
 import pytest
 
+from conftest import PY
 from conftest import REPO
 from conftest import TORCHRUN
 from conftest import assert_same_tensors
@@ -188,6 +189,31 @@ def test_a_sigkill_of_the_launcher_alone_ends_its_ranks(tmp_path, addition_jsonl
         k + 1,
     )
     assert f"at step {k}" in p.stdout + p.stderr
+
+
+def test_a_sigkill_of_the_launcher_while_its_ranks_import_ends_them(tmp_path, addition_jsonl):
+    """torchrun killed alone before its ranks reach `init_distributed` (their imports take
+    seconds): each rank saw init as its parent from the start, watched it, and waited out the
+    rendezvous' 30 minutes on the dead launcher's store. `common.launcher_gone` ends them.
+    torchrun names itself to its ranks as launch.sh's does (without it, a subreaper other than
+    init, which a test harness may be, would pass for the launcher)."""
+    out = str(tmp_path)
+    named = "import os, sys; os.environ['PLAINRLHF_LAUNCHER_PID'] = str(os.getpid()); "
+    named += "from torch.distributed.run import main; main(sys.argv[1:])"
+    args = [PY, "-c", named, "--standalone", "--nproc_per_node=2", "train_sft.py"]
+    args += map(str, sft(out, addition_jsonl))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen(
+        args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    wait_for(lambda: len(psutil.Process(proc.pid).children()) >= 2, proc)
+    ranks = psutil.Process(proc.pid).children()
+    os.kill(proc.pid, signal.SIGKILL)  # torchrun alone, its ranks still importing
+    proc.wait()
+    _, alive = psutil.wait_procs(ranks, timeout=60)
+    for rank in alive:
+        rank.kill()
+    assert not alive, "the ranks waited for their dead launcher's store"
 
 
 def launch_sft(out, addition_jsonl):
