@@ -165,21 +165,11 @@ def test_a_sigkill_of_the_launcher_alone_ends_its_ranks(tmp_path, addition_jsonl
     (`common.watch_launcher`), and the resume goes on at once from the last commit (helper 75)."""
     out = str(tmp_path)
     long_run = ("--max_steps", 1000, "--save_every", 1)
-    # torchrun itself (`popen_torchrun`'s ranks, forked by torch.multiprocessing, die with it)
-    args = [TORCHRUN, "--standalone", "--nproc_per_node=2", "train_sft.py"]
-    args += map(str, sft(out, addition_jsonl, *long_run))
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen(
-        args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    proc = plain_torchrun([TORCHRUN], sft(out, addition_jsonl, *long_run))
     wait_for(lambda: logged_steps(out) >= 3, proc)
     ranks = list(workers(proc.pid).values())
     assert len(ranks) == 2
-    os.kill(proc.pid, signal.SIGKILL)  # torchrun alone
-    proc.wait()
-    _, alive = psutil.wait_procs(ranks, timeout=30)
-    for rank in alive:  # (without the watch: end them here, not 1000 steps later)
-        rank.kill()
+    alive = survivors_of_a_launcher_kill(proc, ranks, timeout=30)
     assert not alive, "the ranks trained on without their launcher"
     k = int(latest(out)[-8:])
     p = run(
@@ -200,20 +190,33 @@ def test_a_sigkill_of_the_launcher_while_its_ranks_import_ends_them(tmp_path, ad
     out = str(tmp_path)
     named = "import os, sys; os.environ['PLAINRLHF_LAUNCHER_PID'] = str(os.getpid()); "
     named += "from torch.distributed.run import main; main(sys.argv[1:])"
-    args = [PY, "-c", named, "--standalone", "--nproc_per_node=2", "train_sft.py"]
-    args += map(str, sft(out, addition_jsonl))
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen(
-        args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    proc = plain_torchrun([PY, "-c", named], sft(out, addition_jsonl))
     wait_for(lambda: len(psutil.Process(proc.pid).children()) >= 2, proc)
-    ranks = psutil.Process(proc.pid).children()
-    os.kill(proc.pid, signal.SIGKILL)  # torchrun alone, its ranks still importing
+    ranks = psutil.Process(proc.pid).children()  # still importing
+    alive = survivors_of_a_launcher_kill(proc, ranks, timeout=60)
+    assert not alive, "the ranks waited for their dead launcher's store"
+
+
+def plain_torchrun(launcher, args):
+    """train_sft.py with `args` under a torchrun started by the command `launcher`, itself: the
+    ranks of `popen_torchrun`'s, forked by torch.multiprocessing, die with it whatever the code
+    does (their parent-death signal)."""
+    cmd = [*launcher, "--standalone", "--nproc_per_node=2", "train_sft.py", *map(str, args)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
+def survivors_of_a_launcher_kill(proc, ranks, timeout):
+    """SIGKILL the launcher `proc` alone; the `ranks` still alive `timeout` s later, ended here
+    (without the watch they would train on to --max_steps)."""
+    os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    _, alive = psutil.wait_procs(ranks, timeout=60)
+    _, alive = psutil.wait_procs(ranks, timeout=timeout)
     for rank in alive:
         rank.kill()
-    assert not alive, "the ranks waited for their dead launcher's store"
+    return alive
 
 
 def launch_sft(out, addition_jsonl):
