@@ -226,8 +226,8 @@ def load_data(args, tok, max_len):
     train = encode_pairs(tok, train, max_len)
     if len(train) < args.train_batch_size:
         raise SystemExit(
-            f"error: {source}: {len(train)} pairs, fewer than --train_batch_size "
-            f"{args.train_batch_size}"
+            f"error: {source}: too few pairs for --train_batch_size "
+            f"{args.train_batch_size} (it has {len(train)})"
         )
     held_out = held_out[: args.eval_samples]
     common.check_held_out(tok, held_out, max_len)

@@ -815,8 +815,8 @@ def load_data(args, tok, context, reward_tok):
         check_task_prompts(spec, flag, train_rows + held_out_rows)
     if len(train) < args.rollout_batch_size:
         raise SystemExit(
-            f"error: {args.data or 'embedded task'}: {len(train)} prompts, fewer than "
-            f"--rollout_batch_size {args.rollout_batch_size}"
+            f"error: {args.data or 'embedded task'}: too few prompts for "
+            f"--rollout_batch_size {args.rollout_batch_size} (it has {len(train)})"
         )
     return train, held_out
 

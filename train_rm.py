@@ -213,8 +213,8 @@ def load_data(args, tok, max_len):
     held_out = encode_pairs(tok, held_out[: args.eval_samples], max_len, args.margin)
     if len(train) < args.train_batch_size:
         raise SystemExit(
-            f"error: {source}: {len(train)} pairs, fewer than --train_batch_size "
-            f"{args.train_batch_size}"
+            f"error: {source}: too few pairs for --train_batch_size "
+            f"{args.train_batch_size} (it has {len(train)})"
         )
     return train, held_out
 

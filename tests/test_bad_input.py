@@ -728,6 +728,29 @@ def test_rm_bad_data_file(tmp_path, text, needles):
     assert_one_line_error(p, *needles)
 
 
+@pytest.mark.parametrize(
+    "stage,row,flag",
+    [
+        ("train_sft.py", {"prompt": "1+1=", "response": "2"}, "--train_batch_size"),
+        ("train_rm.py", {"prompt": "1+1=", "chosen": "2", "rejected": "3"}, "--train_batch_size"),
+        ("train_dpo.py", {"prompt": "1+1=", "chosen": "2", "rejected": "3"}, "--train_batch_size"),
+        ("train_ppo.py", {"prompt": "1+1=", "response": "2"}, "--rollout_batch_size"),
+    ],
+)
+def test_a_data_file_smaller_than_one_batch(tmp_path, stage, row, flag):
+    """One row against a batch of 2: the file, the flag and the count, in words that hold for a
+    single row ("1 examples, fewer than ..." until the forty-sixth session)."""
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    task.ensure_tiny_model()  # RM and DPO start from a model folder: the tiny one
+    args = ("--model", task.TINY_MODEL, "--out_dir", tmp_path / "out", "--max_steps", 1)
+    args += ("--data", data, flag, 2, "--micro_batch_size", 1)
+    if stage == "train_ppo.py":
+        args += ("--train_batch_size", 2)  # the responses of one rollout batch
+    p = run_py(stage, *args)
+    assert_one_line_error(p, "one.jsonl: too few", f"for {flag} 2 (it has 1)")
+
+
 def test_gold_reward_needs_a_reward_model(tmp_path):
     args = ("--out_dir", tmp_path, "--max_steps", 1, "--gold_reward_fn", "task:reward_fn")
     p = run_py("train_ppo.py", *args)
