@@ -20,6 +20,7 @@ engines in rollout.py.
 
 import copy
 import dataclasses
+import decimal
 import functools
 import hashlib
 import importlib
@@ -1185,6 +1186,8 @@ def rule_scores(spec, rows, responses, flag="--reward_fn"):
             )
         if isinstance(s, (np.ndarray, torch.Tensor)) and s.ndim == 0:
             s = s.item()  # one number, as a rule computed with torch or numpy returns it
+        if isinstance(s, decimal.Decimal):
+            s = float(s)  # a number, though no numbers.Real (NaN or 1e400 stay refused below)
         if isinstance(s, (bool, np.bool_)):  # `response == answer`: 0/1, as TRL takes it too
             s = float(s)
         value = common.finite_number(s)

@@ -327,6 +327,12 @@ USER_MODULES = {
         "def several(prompt, response):\n    return torch.tensor([0.5])\n"
         "def nan(prompt, response):\n    return torch.tensor(float('nan'))\n"
     ),
+    "exact.py": (
+        "import decimal, fractions\n"
+        "def decimal_score(prompt, response):\n    return decimal.Decimal('0.125')\n"
+        "def fraction(prompt, response):\n    return fractions.Fraction(3, 8)\n"
+        "def decimal_nan(prompt, response):\n    return decimal.Decimal('NaN')\n"
+    ),
 }
 
 
@@ -339,12 +345,14 @@ USER_MODULES = {
         ("broken:f", "expected module:function importable"),  # a SyntaxError's traceback
         ("zero_d:several", "(one score: a rule scores one response per call)"),
         ("zero_d:nan", "returned nan for prompt '1+1='; expected a number finite in float32"),
+        ("exact:decimal_nan", "returned nan for prompt '1+1='; expected a number finite"),
     ],
 )
 def test_a_reward_function_that_misbehaves_is_one_line(tmp_path, monkeypatch, spec, needle):
     """In process: train_ppo.rule_scores on a user's module that exits, returns an int too large
     for a float or a float too large for float32, or does not parse. A NumPy scalar is a number,
-    and so is a 0-d tensor or array (a rule computed with torch: it was refused as several)."""
+    and so is a 0-d tensor or array (a rule computed with torch: it was refused as several), a
+    Decimal and a Fraction."""
     import train_ppo
 
     for name, text in USER_MODULES.items():
@@ -357,6 +365,11 @@ def test_a_reward_function_that_misbehaves_is_one_line(tmp_path, monkeypatch, sp
     assert train_ppo.rule_scores("numpy_scores:f", [{"prompt": "1+1="}], ["2"]).tolist() == [0.5]
     assert train_ppo.rule_scores("zero_d:tensor", [{"prompt": "1+1="}], ["2"]).tolist() == [0.25]
     assert train_ppo.rule_scores("zero_d:array", [{"prompt": "1+1="}], ["2"]).tolist() == [0.75]
+    # exact arithmetic's numbers too (a Decimal is no numbers.Real: it was "expected a number")
+    assert train_ppo.rule_scores("exact:decimal_score", [{"prompt": "1+1="}], ["2"]).tolist() == [
+        0.125
+    ]
+    assert train_ppo.rule_scores("exact:fraction", [{"prompt": "1+1="}], ["2"]).tolist() == [0.375]
 
 
 @pytest.mark.parametrize(
