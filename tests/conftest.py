@@ -137,12 +137,17 @@ def _run_forked(cmd, timeout, env):
 def kill_tree(pid, sig=9):
     """SIGKILL torchrun and its workers
     (they sit in sessions of their own, so killpg misses them). Returns pid's exit status: -sig
-    if the signal ended it, 0 if it had finished first. psutil reaps it here, so a Popen's own
-    wait() afterwards reads 0 whatever happened: use this."""
+    if the signal ended it, 0 if it had finished first, None if it had finished and was reaped
+    already (a Popen's poll() reaps: the kill landed nowhere, and the caller's `== -9` says so
+    instead of psutil's traceback). psutil reaps it here, so a Popen's own wait() afterwards
+    reads 0 whatever happened: use this."""
     import psutil
 
-    procs = [psutil.Process(pid)]
-    procs += procs[0].children(recursive=True)
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        return None
     for p in procs:
         try:
             p.send_signal(sig)
