@@ -2049,8 +2049,16 @@ def _ids_after(tok, context, response):
 
 def check_batch_sizes(args, world):
     """--train_batch_size examples per step split evenly over the ranks, and each rank's share
-    into whole micro-batches (SFT, RM and DPO; PPO's rollout batch has its own rule)."""
-    if args.train_batch_size % world or (args.train_batch_size // world) % args.micro_batch_size:
+    into whole micro-batches (SFT, RM and DPO; PPO's rollout batch has its own rule). A share no
+    larger than --micro_batch_size is one micro-batch: the flag is a memory bound, and the
+    defaults (128 or 64 a step, 32 a forward) then run on 8 ranks too."""
+    share = args.train_batch_size // world
+    if args.train_batch_size % world:
+        raise SystemExit(
+            f"error: --train_batch_size {args.train_batch_size} must be divisible by world size "
+            f"{world}"
+        )
+    if share % min(args.micro_batch_size, share):
         raise SystemExit(
             f"error: --train_batch_size {args.train_batch_size} must be divisible by "
             f"--micro_batch_size {args.micro_batch_size} x world size {world}"

@@ -74,7 +74,8 @@ class Args(common.RunArgs):
     """responses per optimizer step, over all ranks (rollout_batch_size * n / this = updates per
     epoch)"""
     micro_batch_size: int = 32
-    """responses per forward/backward on one rank; grad accumulation makes up the rest"""
+    """at most this many responses per forward/backward on one rank (a rank's share of a
+    --train_batch_size smaller than it is one); grad accumulation makes up the rest"""
     ppo_epochs: int = 2
     """passes over each iteration's rollouts, reshuffled every pass [N policy #7]"""
     lr: float = 1e-4
@@ -111,8 +112,9 @@ class Args(common.RunArgs):
     cliprange_value: float = 0.2
     """value clip around the old values; 0: no value clipping [N policy #10]"""
     kl_coef: float = 0.05
-    """beta of the per-token KL penalty (initial value when adaptive); 0 (and no --target_kl):
-    no reference model is loaded or run"""
+    """beta of the per-token KL penalty in the reward (gae, rloo), or of the KL loss term (grpo,
+    Shao et al. 2024, eq. 4) (initial value when adaptive); 0 (and no --target_kl): no reference
+    model is loaded or run"""
     target_kl: float = 0.0
     """> 0: adaptive KL controller aiming at this KL per response, horizon 10k responses; 0: fixed
     beta. The controller scales beta by a factor, so from --kl_coef 0 it stays 0"""
@@ -389,9 +391,10 @@ def kl_loss(logprobs, ref_logprobs, mask, n_tokens):
 
 
 def value_loss(values, old_values, returns, mask, cliprange_value, n_tokens):
-    """0.5 (V - returns)^2, the squared-error value loss L^VF of Schulman et al. 2017 (eq. 9),
-    optionally clipped around the old values like the policy ([N policy #10]; their baselines
-    code). All [B, R]. Returns (vf_loss, vf_clipfrac)."""
+    """0.5 (V - returns)^2: half the squared-error value loss L^VF = (V - V^targ)^2 of Schulman
+    et al. 2017 (eq. 9), the half as their baselines code has it; optionally clipped around the
+    old values like the policy ([N policy #10]; baselines too). All [B, R]. Returns (vf_loss,
+    vf_clipfrac)."""
     vf_losses = (values - returns) ** 2
     if cliprange_value <= 0:
         return 0.5 * masked_mean(vf_losses, mask, n_tokens), torch.zeros(())
@@ -873,8 +876,9 @@ def check_args(args, world):
 
 def check_rollout_batch_sizes(args, world):
     """The rollout's prompts split evenly over the ranks, its responses into whole minibatches of
-    --train_batch_size, and each rank's share of one into whole micro-batches: the line names the
-    first of the three that fails."""
+    --train_batch_size, that minibatch evenly over the ranks, and each rank's share of it into
+    whole micro-batches (a share no larger than --micro_batch_size is one): the line names the
+    first that fails."""
     rollout = args.rollout_batch_size
     responses = rollout * args.n_samples_per_prompt
     if rollout % world:
@@ -888,7 +892,13 @@ def check_rollout_batch_sizes(args, world):
             f"--n_samples_per_prompt {args.n_samples_per_prompt} = {responses} responses by "
             f"--train_batch_size {args.train_batch_size}"
         )
-    if args.train_batch_size % (world * args.micro_batch_size):
+    if args.train_batch_size % world:
+        raise SystemExit(
+            f"error: batch sizes do not divide: --train_batch_size {args.train_batch_size} by "
+            f"world size {world}"
+        )
+    share = args.train_batch_size // world  # a share no larger than a micro-batch is one
+    if share % min(args.micro_batch_size, share):
         raise SystemExit(
             f"error: batch sizes do not divide: --train_batch_size {args.train_batch_size} by "
             f"--micro_batch_size {args.micro_batch_size} x world size {world}"
@@ -1436,10 +1446,10 @@ def logprob_gap(exp, engine_logprobs, order):
     the engine's logprobs (sampling distribution, temperature applied) against the actor's own.
     It proves, every step, that PPO trains the policy the responses were sampled from: 1e-7 to
     1e-6 on average on CPU (fp32 both). On a GPU both sides compute in bf16 with kernels of their
-    own, and bf16's rounding alone moves a logprob by ~5e-3 on average (measured on the CPU:
-    bench/RESULTS.md, "The LM head in bf16"; tests/test_gpu.py allows 5e-2). A stale weight sync,
-    a sampling setting the trainer does not apply or a mismatched attention kernel shows up here
-    first."""
+    own, and bf16's rounding alone moves a logprob by ~8e-3 on average, ~5e-3 of it the head's
+    (measured on the CPU: bench/RESULTS.md, "The LM head in bf16"; tests/test_gpu.py allows
+    5e-2). A stale weight sync, a sampling setting the trainer does not apply or a mismatched
+    attention kernel shows up here first."""
     mask = exp.batch.response_mask
     R = mask.shape[1]
     rows = []

@@ -70,7 +70,8 @@ class Args(common.RunArgs):
     train_batch_size: int = 64
     """pairs per optimizer step, over all ranks"""
     micro_batch_size: int = 32
-    """pairs per forward/backward on one rank (both responses of a pair in the same one)"""
+    """at most this many pairs per forward/backward on one rank (a rank's share of a
+    --train_batch_size smaller than it is one; both responses of a pair in the same one)"""
     lr: float = 3e-4
     """peak learning rate (AdamW), after linear warmup, then cosine decay to 0"""
     weight_decay: float = 0.0

@@ -55,7 +55,8 @@ class Args(common.RunArgs):
     train_batch_size: int = 128
     """examples per optimizer step, over all ranks"""
     micro_batch_size: int = 32
-    """examples per forward/backward on one rank; grad accumulation makes up the rest"""
+    """at most this many examples per forward/backward on one rank (a rank's share of a
+    --train_batch_size smaller than it is one); grad accumulation makes up the rest"""
     lr: float = 3e-3
     """peak learning rate (AdamW), after linear warmup, then cosine decay to 0"""
     weight_decay: float = 1.0
@@ -243,7 +244,8 @@ def main(args):
         args.model, AutoModelForCausalLM, args.attn_implementation
     )
     common.record_template_kwargs(tok, args.model)  # so the export renders as this run did
-    # from_pretrained returns eval mode: dropout would be silently off until the first eval
+    # from_pretrained returns eval mode: without this, dropout would be silently off all run
+    # (greedy_accuracy gives the model back the mode it found it in)
     model.train()
     # The model folder's generation_config goes to the exports (with the responses' end among its
     # stop ids); while training, greedy evaluation runs with no decoding defaults of the model's
@@ -257,8 +259,9 @@ def main(args):
         common.checkpoint_activations(model)
     common.shard_model(model, device, reshard_after_forward=args.reshard_after_forward)
     # fused: AdamW's element-wise math in one kernel for all parameters, on CPU and CUDA, where
-    # the default loops over tensors with ~10 ops each (34M on CPU: AdamW's step 0.14 -> 0.04 s;
-    # README: Benchmarks). The Trainer's default too, so TRL's.
+    # the default loops over tensors with ~10 ops each on CPU (on CUDA it is foreach: the same
+    # ~10 ops, each over lists of tensors) (34M on CPU: AdamW's step 0.14 -> 0.04 s; README:
+    # Benchmarks). The Trainer's default too, so TRL's.
     optim = torch.optim.AdamW(
         model.parameters(),
         lr=args.lr,

@@ -796,6 +796,32 @@ def test_dpo_bad_input(tmp_path, extra, needles):
     assert_one_line_error(p, *needles)
 
 
+def test_the_default_batch_sizes_run_on_one_to_sixteen_ranks():
+    """--micro_batch_size bounds a forward: a rank's share of a step smaller than it is one
+    micro-batch (the defaults, 64 or 128 a step at 32 a forward, stopped at start-up on 8 GPUs).
+    A share larger than it must still be whole micro-batches, and the steps split over the ranks;
+    each line names what does not divide."""
+    import common
+    import train_dpo
+    import train_ppo
+    import train_rm
+    import train_sft
+
+    for world in (1, 2, 4, 8, 16):
+        for stage in (train_sft, train_rm, train_dpo):
+            common.check_batch_sizes(stage.Args(), world)
+        train_ppo.check_rollout_batch_sizes(train_ppo.Args(), world)
+    args = train_sft.Args(train_batch_size=12, micro_batch_size=4)
+    common.check_batch_sizes(args, 6)  # shares of 2: one micro-batch each
+    with pytest.raises(SystemExit, match="--train_batch_size 12 must be divisible by world size 8"):
+        common.check_batch_sizes(args, 8)
+    with pytest.raises(SystemExit, match="--micro_batch_size 4 x world size 2"):
+        common.check_batch_sizes(train_sft.Args(train_batch_size=12, micro_batch_size=4), 2)
+    args = train_ppo.Args(rollout_batch_size=8, n_samples_per_prompt=3, train_batch_size=12)
+    with pytest.raises(SystemExit, match="--train_batch_size 12 by world size 8"):
+        train_ppo.check_rollout_batch_sizes(args, 8)
+
+
 def test_gae_only_flags_with_grpo_are_refused():
     """grpo and rloo have no critic and no GAE: --gamma or --critic_lr there did nothing."""
     import train_ppo

@@ -22,17 +22,21 @@ from conftest import stage_args
 
 pytestmark = pytest.mark.slow
 
-# 2 ranks, micro-batches smaller than a rank's share of a minibatch, 2 iterations of 2 PPO epochs
-# of 2 minibatches: 8 optimizer steps. The learning rate is high enough that ratios reach the clip.
+# 2 ranks, 2 iterations of 2 PPO epochs of 2 minibatches: 8 optimizer steps. GAE's micro-batches
+# are smaller than a rank's share of a minibatch (1 of 2); GRPO's --micro_batch_size is larger
+# than it (8 against 4: the share is one micro-batch). The learning rate is high enough that
+# ratios reach the clip.
 SHAPES = {
     "gae": ("--rollout_batch_size", 4, "--n_samples_per_prompt", 2, "--train_batch_size", 4),
     "grpo": ("--rollout_batch_size", 4, "--n_samples_per_prompt", 4, "--train_batch_size", 8),
 }
+MICRO = {"gae": 1, "grpo": 8}
 
 
 def ppo(out, estimator):
     args = ("--model", task.TINY_MODEL, "--out_dir", out, "--max_steps", 2)
-    args += ("--advantage_estimator", estimator, *SHAPES[estimator], "--micro_batch_size", 1)
+    args += ("--advantage_estimator", estimator, *SHAPES[estimator])
+    args += ("--micro_batch_size", MICRO[estimator])
     args += ("--ppo_epochs", 2, "--lr", 1e-3, "--temperature", 0.7)
     args += ("--reward_fn", "tests.ppo_recorder:varied", "--rollout_engine", "hf")
     return args + ("--save_every", 0, "--eval_every", 0, "--eval_samples", 0)
