@@ -3732,7 +3732,11 @@ def export_wait_group(args, final, exporting):
 def peak_gpu_memory():
     """On a GPU, "; peak GPU memory X GiB": the most this rank's tensors held at once (PyTorch's
     allocator, so the CUDA context and allocator slack are not in it); "" on CPU. What
-    --gradient_checkpointing and --offload_frozen save is measured with it (bench/gpu.py)."""
+    --gradient_checkpointing and --offload_frozen save is measured with it (bench/gpu.py, HF
+    engine). With the vLLM engine it is not the trainer's alone: vLLM resets the peak while it
+    starts (vllm 0.32 `memory_profiling`), and its weights and KV cache, allocated through
+    PyTorch's allocator (its CuMem pool), stay counted while it sleeps (sleep unmaps them under
+    the allocator): the trainer's peak plus up to --gpu_memory_utilization of the GPU."""
     if not torch.cuda.is_available():
         return ""
     return f"; peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"

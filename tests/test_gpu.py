@@ -145,3 +145,33 @@ def test_reward_model_then_ppo_with_it_and_dpo_on_gpu(tmp_path):
     assert rows[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-3), rows[0]
     assert all(math.isfinite(r["train/loss"]) for r in rows), rows
     assert os.path.exists(os.path.join(dpo, "hf", "model.safetensors"))
+
+
+def test_ppo_vllm_engine_sleeps_and_takes_new_weights_on_gpu(tmp_path):
+    """The vLLM engine on CUDA, the one path no lent machine (no vLLM there) has run: bf16, CUDA
+    graphs and torch.compile (enforce_eager off, the default), level-2 sleep after each rollout and
+    `load_weights`' wake_up(weights) -> reload -> wake_up(kv_cache). A weight the reload missed
+    would hold garbage after the sleep (its memory is discarded, not offloaded), and a captured
+    CUDA graph reading an old address would sample from stale weights: either way the engine's
+    logprobs would leave the actor's by far more than bf16 does. Steps 2 and 3 sample from the
+    reloaded engine; the resumed run's step 3 from one synced while awake (`main`'s resume)."""
+    pytest.importorskip("vllm")
+    from test_families import build_qwen2  # tied head: vLLM ties it itself, the sync skips it
+    from test_families import ppo_args
+
+    base = str(tmp_path / "qwen2")
+    build_qwen2(base)
+    a = str(tmp_path / "a")
+    p = run("train_ppo.py", *ppo_args(a, base, "vllm"), nproc=1, gpu=True)
+    assert "peak GPU memory" in p.stdout.splitlines()[-1], p.stdout[-500:]
+    rows = metrics(a)[1:]  # step 0 is the starting evaluation
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["rollout/logprob_diff_mean"] < 5e-2, row  # bf16 engine and actor
+        assert row["policy/first_ratio_dev"] == 0.0, row
+    b = str(tmp_path / "b")
+    run("train_ppo.py", *ppo_args(b, base, "vllm"), "--stop_at_step", 2, nproc=1, gpu=True)
+    p = run("train_ppo.py", *ppo_args(b, base, "vllm"), "--resume", "latest", nproc=1, gpu=True)
+    assert "at step 2" in p.stdout, p.stdout[-2000:]
+    resumed = [r for r in metrics(b) if r["step"] == 3]
+    assert len(resumed) == 1 and resumed[0]["rollout/logprob_diff_mean"] < 5e-2, resumed
