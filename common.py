@@ -3425,10 +3425,14 @@ def end_of_step(args, step, device, roles, meta, hf_objs, before_save=None):
         on_error = args.on_save_error
         if last:
             on_error = "stop"
+        # the logs go up before the save commits: a resume on another machine takes the store's
+        # copy (`MetricsLog.fetch`), which must hold the rows up to the checkpoint `latest`
+        # names. Uploaded after the commit, a kill in between (pruning, the upload itself) left
+        # the store's copy a step short, and that step's row was lost (helper 82)
+        upload_logs(args)
         saved = checkpoint.save(
             args.out_dir, step, roles, meta, hf_objs, args.keep_last, background, on_error
         )
-        upload_logs(args)
     # at the last step the run ends here anyway, and exports: nothing to go on with
     stop = (signalled or step == args.stop_at_step) and step < args.max_steps
     if stop:

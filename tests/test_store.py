@@ -167,6 +167,21 @@ def test_sft_save_resume_verify_export(store, straight, sft_on_store):
     assert all((want[k] == exported[k]).all() for k in want)
 
 
+def test_a_kill_right_after_a_commit_loses_no_row(store, straight, addition_jsonl, tmp_path):
+    """Rank 0 killed right after step 2's save committed (tests/die_after_commit.py), then resumed
+    on a new machine (a fresh --local_dir, so the logs come from the store): every row of the
+    straight run. The logs went up after the commit, so a kill there (pruning, the upload itself)
+    left the store's copy short of `latest`, and the resumed run lost those rows (helper 82)."""
+    fs, _ = store
+    url = f"s3://{BUCKET}/commit-kill"
+    first = ("--save_every", 2, "--local_dir", tmp_path / "first")
+    p = run("tests/die_after_commit.py", 2, *sft(url, addition_jsonl, *first), check=False)
+    assert p.returncode != 0 and store_latest(fs, url) == "step-00000002", p.stderr[-3000:]
+    local = tmp_path / "second"
+    run("train_sft.py", *sft(url, addition_jsonl, "--resume", "latest", "--local_dir", local))
+    assert metrics(local) == metrics(straight)
+
+
 def test_corrupted_object_is_detected_with_fallback(store, sft_on_store, capsys):
     """A flipped byte in the latest checkpoint's shard: verify names the object, and the resume's
     pick (checkpoint.py: _candidates, _choose; in-process) falls back to the checkpoint before."""
