@@ -66,6 +66,7 @@ from transformers import AutoConfig
 from transformers import AutoTokenizer
 from transformers import GenerationConfig
 from transformers import PreTrainedTokenizerBase
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import checkpoint
 import objstore
@@ -2295,6 +2296,12 @@ def attention_implementation(path, choice, flag="--model"):
     """transformers' attn_implementation for the model at `path`: `choice`, or for 'auto' eager
     where the family needs it, else transformers' default (SDPA). Gemma 2 soft-caps its attention
     logits; SDPA drops the soft-capping while vLLM applies it (7e-3 to 2.3e-2 logprob apart)."""
+    known = ["auto", "eager", *sorted(ALL_ATTENTION_FUNCTIONS.valid_keys())]
+    # a name with a "/" is a Hub kernel ("kernels-community/..."): the user's own choice here
+    if choice not in known and "/" not in choice:
+        raise SystemExit(
+            f"error: --attn_implementation {choice:.80}: expected one of {', '.join(known)}"
+        )
     if choice == "flex_attention" and not torch.cuda.is_available():
         raise SystemExit(
             "error: --attn_implementation flex_attention: PyTorch's FlexAttention has no "

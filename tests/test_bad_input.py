@@ -54,6 +54,8 @@ def assert_one_line_error(p, *needles):
         (["--model", "./README.md"], ["--model ./README.md: not a folder (a file)"]),
         (["--resume", "/tmp"], ["/tmp/manifest.json: missing"]),
         (["--data", "/nonexistent.jsonl"], ["/nonexistent.jsonl: no such file"]),
+        # transformers' own refusal came as "--model ...: cannot load", the flag unnamed
+        (["--attn_implementation", "foo"], ["--attn_implementation foo: expected one of auto"]),
     ],
 )
 def test_bad_flags(tmp_path, extra, needles):
