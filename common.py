@@ -2297,8 +2297,9 @@ def attention_implementation(path, choice, flag="--model"):
     where the family needs it, else transformers' default (SDPA). Gemma 2 soft-caps its attention
     logits; SDPA drops the soft-capping while vLLM applies it (7e-3 to 2.3e-2 logprob apart)."""
     known = ["auto", "eager", *sorted(ALL_ATTENTION_FUNCTIONS.valid_keys())]
-    # a name with a "/" is a Hub kernel ("kernels-community/..."): the user's own choice here
-    if choice not in known and "/" not in choice:
+    # None: transformers' default, as this function resolves 'auto' (a caller may pass that on).
+    # A name with a "/" is a Hub kernel ("kernels-community/..."): the user's own choice here.
+    if choice is not None and choice not in known and "/" not in choice:
         raise SystemExit(
             f"error: --attn_implementation {choice:.80}: expected one of {', '.join(known)}"
         )
