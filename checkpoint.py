@@ -2100,11 +2100,22 @@ OLDER_SPELLINGS = {"reward_fn": _comma_list, "reward_weights": _comma_list}
 NOTED_FLAGS = ["micro_batch_size"]
 
 
+def _regrouping(k, value, args):
+    """What a NOTED_FLAGS value does at this world size: a --micro_batch_size above a rank's
+    share of --train_batch_size is the share (`common.check_batch_sizes`), so 32 -> 64 at a
+    share of 4 regroups nothing."""
+    if k == "micro_batch_size" and isinstance(args.get("train_batch_size"), int):
+        return min(value, max(args["train_batch_size"] // dist.get_world_size(), 1))
+    return value
+
+
 def _note_regrouped(path, saved_args, args):
-    """Rank 0: a note for each NOTED_FLAGS flag the resumed run changes."""
+    """Rank 0: a note for each NOTED_FLAGS flag the resumed run changes (in effect)."""
     for k in NOTED_FLAGS:
         saved = saved_args.get(k)
-        if k in args and saved is not None and saved != args[k] and dist.get_rank() == 0:
+        if k not in args or saved is None or saved == args[k] or dist.get_rank() != 0:
+            continue
+        if _regrouping(k, saved, args) != _regrouping(k, args[k], args):
             print(
                 f"note: --{k} {saved!r} -> {args[k]!r} (from {path}): the same batches in other "
                 "pieces; the run goes on, not bitwise as it would have",

@@ -1196,11 +1196,14 @@ def rule_scores(spec, rows, responses, flag="--reward_fn"):
             )
         if isinstance(s, (np.ndarray, torch.Tensor)) and s.ndim == 0:
             s = s.item()  # one number, as a rule computed with torch or numpy returns it
+        number = s
         if isinstance(s, decimal.Decimal):
-            s = float(s)  # a number, though no numbers.Real (NaN or 1e400 stay refused below)
+            # a number, though no numbers.Real (NaN or 1e400 stay refused below, by their own
+            # spelling in the line; float() of a signalling NaN raises)
+            number = float("nan") if s.is_snan() else float(s)
         if isinstance(s, (bool, np.bool_)):  # `response == answer`: 0/1, as TRL takes it too
-            s = float(s)
-        value = common.finite_number(s)
+            number = float(s)
+        value = common.finite_number(number)
         if value is None:
             several = ""
             if isinstance(s, (list, tuple, np.ndarray, torch.Tensor)):  # not 0-d: several
@@ -1422,9 +1425,14 @@ def old_logprobs_and_values(args, models, tok, prompt_ids, responses, order, dev
     The rows go in the shuffled order `order`, which the first PPO epoch keeps."""
     prompts = [prompt_ids[i] for i in order]
     batch = make_batch(prompts, [responses[i] for i in order], tok.pad_token_id, device)
+    # the update's micro-batches (`ppo_update`: at most a rank's share of a minibatch): a
+    # --micro_batch_size above the share chunked step (3) wider than the update's forwards, and
+    # the first micro-batch's ratio was no longer 1 bit for bit where kernels are not
+    # batch-invariant (a GPU's), nor the run the one at --micro_batch_size = the share
+    micro = min(args.micro_batch_size, args.train_batch_size // dist.get_world_size())
     chunks = []
-    for start in range(0, len(batch.input_ids), args.micro_batch_size):
-        chunks.append(batch.select(slice(start, start + args.micro_batch_size)))
+    for start in range(0, len(batch.input_ids), micro):
+        chunks.append(batch.select(slice(start, start + micro)))
     mask = batch.response_mask
     old_logprobs = None
     if not from_update:

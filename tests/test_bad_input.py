@@ -192,6 +192,13 @@ def test_resume_with_changed_settings(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     note = "note: --micro_batch_size 8 -> 4 (from "
     assert note in p.stdout and "the same batches in other pieces" in p.stdout, p.stdout
+    # above the share of 8 a --micro_batch_size is the share: 8 -> 64 regroups nothing
+    regrouped = ("--max_steps", 3, "--train_batch_size", 8, "--micro_batch_size", 8)
+    p = run_py("train_sft.py", *args[:2], *regrouped, "--eval_samples", 8, "--resume", "latest")
+    assert "note: --micro_batch_size 4 -> 8 (from " in p.stdout, p.stdout
+    regrouped = ("--max_steps", 4, "--train_batch_size", 8, "--micro_batch_size", 64)
+    p = run_py("train_sft.py", *args[:2], *regrouped, "--eval_samples", 8, "--resume", "latest")
+    assert p.returncode == 0 and "micro_batch_size" not in p.stdout, p.stdout
 
 
 def test_another_stages_checkpoint_is_not_resumed(tmp_path):
@@ -334,6 +341,8 @@ USER_MODULES = {
         "def decimal_score(prompt, response):\n    return decimal.Decimal('0.125')\n"
         "def fraction(prompt, response):\n    return fractions.Fraction(3, 8)\n"
         "def decimal_nan(prompt, response):\n    return decimal.Decimal('NaN')\n"
+        "def decimal_snan(prompt, response):\n    return decimal.Decimal('sNaN')\n"
+        "def decimal_huge(prompt, response):\n    return decimal.Decimal('1e400')\n"
     ),
 }
 
@@ -347,7 +356,9 @@ USER_MODULES = {
         ("broken:f", "expected module:function importable"),  # a SyntaxError's traceback
         ("zero_d:several", "(one score: a rule scores one response per call)"),
         ("zero_d:nan", "returned nan for prompt '1+1='; expected a number finite in float32"),
-        ("exact:decimal_nan", "returned nan for prompt '1+1='; expected a number finite"),
+        ("exact:decimal_nan", "returned Decimal('NaN') for prompt '1+1='; expected a number"),
+        ("exact:decimal_snan", "returned Decimal('sNaN') for prompt '1+1='; expected a number"),
+        ("exact:decimal_huge", "returned Decimal('1E+400') for prompt '1+1='; expected a num"),
     ],
 )
 def test_a_reward_function_that_misbehaves_is_one_line(tmp_path, monkeypatch, spec, needle):

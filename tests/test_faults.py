@@ -104,6 +104,8 @@ def test_random_sigkills_then_resume_end_with_the_same_weights(tmp_path, straigh
                 break
             status = kill_tree(proc.pid)
             proc.wait()
+            if status is None:  # wait_for's poll() reaped it: it had ended, with this status
+                status = proc.returncode
             if status == 0:
                 break  # it finished between the moment and the kill
             assert status == -9, open(log_path).read()[-3000:]

@@ -465,3 +465,37 @@ def test_a_resume_notes_a_rule_whose_file_changed(one_rank, capsys):
     ppo.note_changed_rules({"rules": {"task:reward_fn": "0" * 64}}, digests, "ckpt")
     out = capsys.readouterr().out
     assert out.startswith("note: task:reward_fn: its module's file changed since ckpt was saved")
+
+
+def test_step_3_chunks_the_rows_as_the_update_does(monkeypatch):
+    """A --micro_batch_size above a rank's share of a minibatch makes the share one micro-batch
+    in the update; step (3) computes the old logprobs, reference logprobs and values in the same
+    row groups, so the first epoch's micro-batches see the shapes their old numbers came from
+    (a GPU's kernels are not batch-invariant: first_ratio_dev was no longer 0 there, and on the
+    CPU a critic's values moved by 3e-8 against --micro_batch_size = the share)."""
+    actor = tiny_llama(vocab_size=16)
+    args = ppo.Args(model="unused", out_dir="unused")
+    args.rollout_batch_size = 4
+    args.n_samples_per_prompt = 2
+    args.train_batch_size = 4  # 2 minibatches of 4 over this one rank's 8 responses
+    args.micro_batch_size = 32  # above the share of 4: one micro-batch of 4
+    sizes = []
+    logprobs_of = ppo.logprobs_of
+
+    def recorded(model, batch, temperature):
+        sizes.append(len(batch.input_ids))
+        return logprobs_of(model, batch, temperature)
+
+    monkeypatch.setattr(ppo, "logprobs_of", recorded)
+    models = ppo.Models(actor=actor, ref=None, critic=None, reward_model=None)
+
+    class Tok:
+        pad_token_id = 0
+
+    prompts = [[5, 6, 7], [5, 6, 7], [8, 9], [8, 9], [3], [3], [4, 4], [4, 4]]
+    responses = [[1, 2], [3, 4, 5, 2], [6], [7, 8, 2], [9, 9, 9, 9], [4, 2], [5], [6, 7]]
+    with torch.no_grad():
+        ppo.old_logprobs_and_values(
+            args, models, Tok(), prompts, responses, torch.arange(8), "cpu", False
+        )
+    assert sizes == [4, 4]
