@@ -2102,7 +2102,7 @@ NOTED_FLAGS = ["micro_batch_size"]
 
 def _regrouping(k, value, args):
     """What a NOTED_FLAGS value does at this world size: a --micro_batch_size above a rank's
-    share of --train_batch_size is the share (`common.check_batch_sizes`), so 32 -> 64 at a
+    share of --train_batch_size is the share (`common.micro_batch`), so 32 -> 64 at a
     share of 4 regroups nothing."""
     if k == "micro_batch_size" and isinstance(args.get("train_batch_size"), int):
         return min(value, max(args["train_batch_size"] // dist.get_world_size(), 1))

@@ -2048,18 +2048,23 @@ def _ids_after(tok, context, response):
     return whole.input_ids[len(head) :]
 
 
+def micro_batch(args, world):
+    """A rank's micro-batch: --micro_batch_size, or the rank's share of --train_batch_size where
+    that is smaller (the flag is a memory bound: the defaults, 128 or 64 a step and 32 a forward,
+    then run on 8 ranks too)."""
+    return min(args.micro_batch_size, args.train_batch_size // world)
+
+
 def check_batch_sizes(args, world):
     """--train_batch_size examples per step split evenly over the ranks, and each rank's share
-    into whole micro-batches (SFT, RM and DPO; PPO's rollout batch has its own rule). A share no
-    larger than --micro_batch_size is one micro-batch: the flag is a memory bound, and the
-    defaults (128 or 64 a step, 32 a forward) then run on 8 ranks too."""
-    share = args.train_batch_size // world
+    into whole micro-batches (`micro_batch`: a share no larger than --micro_batch_size is one)
+    (SFT, RM and DPO; PPO's rollout batch has its own rule)."""
     if args.train_batch_size % world:
         raise SystemExit(
             f"error: --train_batch_size {args.train_batch_size} must be divisible by world size "
             f"{world}"
         )
-    if share % min(args.micro_batch_size, share):
+    if (args.train_batch_size // world) % micro_batch(args, world):
         raise SystemExit(
             f"error: --train_batch_size {args.train_batch_size} must be divisible by "
             f"--micro_batch_size {args.micro_batch_size} x world size {world}"

@@ -897,8 +897,7 @@ def check_rollout_batch_sizes(args, world):
             f"error: batch sizes do not divide: --train_batch_size {args.train_batch_size} by "
             f"world size {world}"
         )
-    share = args.train_batch_size // world  # a share no larger than a micro-batch is one
-    if share % min(args.micro_batch_size, share):
+    if (args.train_batch_size // world) % common.micro_batch(args, world):
         raise SystemExit(
             f"error: batch sizes do not divide: --train_batch_size {args.train_batch_size} by "
             f"--micro_batch_size {args.micro_batch_size} x world size {world}"
@@ -1429,7 +1428,7 @@ def old_logprobs_and_values(args, models, tok, prompt_ids, responses, order, dev
     # --micro_batch_size above the share chunked step (3) wider than the update's forwards, and
     # the first micro-batch's ratio was no longer 1 bit for bit where kernels are not
     # batch-invariant (a GPU's), nor the run the one at --micro_batch_size = the share
-    micro = min(args.micro_batch_size, args.train_batch_size // dist.get_world_size())
+    micro = common.micro_batch(args, dist.get_world_size())
     chunks = []
     for start in range(0, len(batch.input_ids), micro):
         chunks.append(batch.select(slice(start, start + micro)))
